@@ -1,0 +1,56 @@
+"""MiniCPM-o 4.5 / Step-Audio2 Token2Wav (CosyVoice2 lineage): flow decoder + HiFT vocoder.
+
+Numbers from the stock streaming loop (``stepaudio2/token2wav.py``) and the paper's operating point:
+302 prompt frames, retention to prompt + 100 frames, 50-frame chunks (25 tokens at 2 frames per token),
+a 56-frame last call (the 3 look-ahead tokens kept), 10 Euler steps, CFG doubling the batch to 2.
+The estimator's stock envelope is ``att_cache_buffer`` of (16, 16, 2, 8, 1000, 128) fp32; new frames are
+prepended, so the mutable history precedes the immutable prompt tail.
+"""
+from cadence_fx.contract import PREPEND, APPEND, Adapter, Effects, PromptRetained, Region, SlidingWindow
+
+CLOCKS = {
+    "f_prompt": 302, "f_retained": 100, "f_chunk": 50, "f_call": 56, "n_steps": 10,
+    "frames_per_token": 2,
+    # layer and head counts of the real configuration (DiT depth 16, conformer 6 + 4 blocks)
+    "dit_depth": 16, "conformer_layers": 10, "heads": 8, "kv_width": 128, "cfg_batch": 2, "batch": 1,
+    "stock_steps": 16, "stock_frames": 1000,
+    # HiFT stream caches: 8 mel frames, 8 * 480 samples of source and speech
+    "mel_bins": 80, "mel_cache": 8, "wave_cache": 3840, "samples_per_frame": 480,
+}
+
+ESTIMATOR_ATT = Region(
+    name="estimator_att_cache", input="cache.estimator_att_cache", output="1.estimator_att_cache",
+    dim=4, retention=PromptRetained("f_prompt", "f_retained"), advance="f_chunk", ordering=PREPEND,
+    shape=("n_steps", "dit_depth", "cfg_batch", "heads", None, "kv_width"),
+    stock_shape=("stock_steps", 16, "cfg_batch", "heads", "stock_frames", "kv_width"),
+    envelope="att_cache_buffer")
+CONFORMER_ATT = Region(
+    name="conformer_att_cache", input="cache.conformer_att_cache", output="1.conformer_att_cache",
+    dim=3, retention=PromptRetained("f_prompt", "f_retained"), advance="f_chunk", ordering=PREPEND,
+    shape=("conformer_layers", "batch", "heads", None, "kv_width"))
+HIFT_MEL = Region(
+    name="hift_mel_cache", input="hift_cache.mel", output="2.mel", dim=2,
+    retention=SlidingWindow("mel_cache"), advance="f_chunk", ordering=APPEND,
+    shape=("batch", "mel_bins", None))
+HIFT_SOURCE = Region(
+    name="hift_source_cache", input="hift_cache.source", output="2.source", dim=2,
+    retention=SlidingWindow("wave_cache"), advance="wave_cache", ordering=APPEND,
+    shape=("batch", 1, None))
+HIFT_SPEECH = Region(
+    name="hift_speech_cache", input="hift_cache.speech", output="2.speech", dim=1,
+    retention=SlidingWindow("wave_cache"), advance="wave_cache", ordering=APPEND,
+    shape=("batch", None))
+
+TOKEN2WAV = Adapter(
+    name="minicpmo-token2wav",
+    clocks=CLOCKS,
+    regions=(ESTIMATOR_ATT, CONFORMER_ATT, HIFT_MEL, HIFT_SOURCE, HIFT_SPEECH),
+    call_frames=("f_chunk", "f_call"),
+    call_input="mu", call_dim=2,
+    admission="f_chunk",
+    constants=("timestep_frequencies", "stft_window", "harmonic_multipliers"),
+    effects=Effects(device_rng=True),
+    description="MiniCPM-o 4.5 Token2Wav: CFM flow decoder (DiT, 10 Euler steps) + HiFT vocoder",
+)
+
+ADAPTERS = {"minicpmo-token2wav": TOKEN2WAV}

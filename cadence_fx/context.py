@@ -1,0 +1,86 @@
+"""What the passes of one signature class share: the adapter, the bindings of regions to graph
+nodes, the carries, and a record of every rewrite for the report."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .contract import Adapter, Region
+from .tracing import InputSpec
+
+__all__ = ["Carry", "RegionBinding", "PassContext"]
+
+
+@dataclasses.dataclass
+class Carry:
+    """A contract-owned buffer holding one region at a fixed address for the stream's lifetime."""
+    region: Region
+    tensor: torch.Tensor
+
+    @property
+    def dim(self) -> int:
+        return self.region.dim
+
+    @property
+    def extent(self) -> int:
+        return self.tensor.shape[self.region.dim]
+
+    def view(self, frames: int) -> torch.Tensor:
+        return self.tensor.narrow(self.region.dim, 0, frames)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Is ``t`` exactly the carry's leading ``frames`` view (same address, layout, offset)?"""
+        c = self.tensor
+        return (t.data_ptr() == c.data_ptr() and t.stride() == c.stride() and t.dim() == c.dim()
+                and all(t.shape[i] == c.shape[i] for i in range(c.dim()) if i != self.dim)
+                and t.shape[self.dim] <= self.extent)
+
+
+@dataclasses.dataclass
+class RegionBinding:
+    region: Region
+    placeholder: Optional[Node]      # the region's input in the traced graph
+    out_index: Optional[int]         # position of the region's new state among the graph outputs
+    carry: Carry
+    carry_node: Optional[Node] = None  # placeholder through which the graph reaches the carry
+
+
+@dataclasses.dataclass
+class PassContext:
+    adapter: Adapter
+    class_key: Any
+    inputs: List[InputSpec]
+    regions: List[RegionBinding]
+    module_buffers: Dict[str, torch.Tensor]
+    verify: bool = False
+    auditor: Any = None
+    backend: Any = None
+    counters: Any = None
+    records: Dict[str, list] = dataclasses.field(default_factory=lambda: {
+        "rewrites": [], "near_misses": [], "constants": [], "pieces": [], "passes": []})
+
+    def placeholders(self, gm: GraphModule) -> List[Node]:
+        return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def add_placeholder(self, gm: GraphModule, name: str, spec: InputSpec) -> Node:
+        last = self.placeholders(gm)[-1]
+        with gm.graph.inserting_after(last):
+            node = gm.graph.placeholder(name)
+        self.inputs.append(spec)
+        return node
+
+    def drop_unused_placeholders(self, gm: GraphModule) -> int:
+        dropped = 0
+        for i, node in reversed(list(enumerate(self.placeholders(gm)))):
+            if not node.users and self.inputs[i].kind in ("arg", "buffer", "param"):
+                gm.graph.erase_node(node)
+                del self.inputs[i]
+                dropped += 1
+        return dropped
+
+    def note(self, kind: str, region: str, detail: str) -> None:
+        self.records["rewrites" if kind != "near_miss" else "near_misses"].append(
+            {"kind": kind, "region": region, "detail": detail})

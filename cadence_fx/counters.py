@@ -1,0 +1,47 @@
+"""Counters every layer bumps, which tests assert on exactly and the report shows."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import Dict, Set
+
+__all__ = ["Counters"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Counters:
+    calls: int = 0            # calls of the compiled step
+    compiled_calls: int = 0   # calls that ran the rewritten graph of a catalog class
+    replays: int = 0          # graph pieces replayed from a captured device graph
+    guarded_eager: int = 0    # capturable pieces run eagerly (no device graphs on this backend)
+    eager_pieces: int = 0     # pieces that stay eager by construction (host syncs, audits, ...)
+    fallbacks: int = 0        # calls or pieces sent to eager by a guard
+    invalidations: int = 0    # classes dropped because a fixed address drifted
+    absorptions: int = 0      # foreign state copied into a carry (first call, turn resets)
+    retentions: int = 0       # retention writes applied to a carry
+    applications: int = 0     # carry writes of any kind (retention, append, materialize)
+    traces: int = 0           # signatures traced
+    reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    addresses: Dict[str, Set[int]] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(set))
+
+    def fallback(self, reason: str) -> None:
+        if reason not in self.reasons:
+            log.info("eager fallback: %s", reason)
+        self.fallbacks += 1
+        self.reasons[reason] += 1
+
+    @property
+    def carry_addresses(self) -> int:
+        """Distinct carry addresses handed out, worst region (1 when the state rule holds)."""
+        return max((len(a) for a in self.addresses.values()), default=0)
+
+    def as_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("reasons", "addresses")}
+        d["carry_addresses"] = self.carry_addresses
+        d["reasons"] = dict(self.reasons)
+        return d

@@ -1,0 +1,95 @@
+"""Small helpers over aten-level FX graphs shared by the passes."""
+from __future__ import annotations
+
+import operator
+from typing import Callable, Iterable, List, Optional, Tuple
+
+import torch
+from torch.fx import Graph, Node
+
+__all__ = ["aten", "VIEW_OPS", "is_mutating", "mutated_arg", "view_chain", "slice_bounds",
+           "val", "dead_code_elimination", "SIDE_EFFECTS"]
+
+aten = torch.ops.aten
+INT_MAX = 2 ** 63 - 1
+
+# View ops the passes follow when asking "which storage does this node read or write?"
+VIEW_OPS = {aten.slice.Tensor, aten.select.int, aten.alias.default, aten.detach.default}
+
+# Python callables inserted into graphs that must survive dead-code elimination.
+SIDE_EFFECTS: set = set()
+
+
+def val(node) -> Optional[torch.Tensor]:
+    """The (fake) tensor a node produced at trace time, if recorded."""
+    v = node.meta.get("val") if isinstance(node, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def is_mutating(node: Node) -> bool:
+    t = node.target
+    if node.op != "call_function":
+        return False
+    if t in SIDE_EFFECTS:
+        return True
+    schema = getattr(t, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def mutated_arg(node: Node) -> Optional[Node]:
+    """The argument an in-place/out op writes (its first mutable tensor argument)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+            return v if isinstance(v, Node) else None
+    return None
+
+
+def view_chain(node: Node) -> Tuple[Node, List[Node]]:
+    """Follow view ops back to the base node: ``(base, [view nodes, base-most first])``."""
+    chain = []
+    while isinstance(node, Node) and node.op == "call_function" and node.target in VIEW_OPS:
+        chain.append(node)
+        node = node.args[0]
+    return node, chain[::-1]
+
+
+def slice_bounds(node: Node, size: int) -> Tuple[int, int, int]:
+    """``(dim, start, stop)`` of an ``aten.slice`` normalized against ``size`` (step must be 1)."""
+    args = list(node.args) + [None] * (5 - len(node.args))
+    _, dim, start, stop, step = args[:5]
+    dim = node.kwargs.get("dim", dim if dim is not None else 0)
+    start = 0 if start is None else start
+    stop = INT_MAX if stop is None else stop
+    if (step or 1) != 1:
+        raise ValueError("strided slice")
+    if start < 0:
+        start += size
+    if stop < 0:
+        stop += size
+    return dim, max(0, min(start, size)), max(0, min(stop, size))
+
+
+def dead_code_elimination(graph: Graph) -> int:
+    """Remove unused pure nodes; keep mutations, inserted side effects, placeholders and outputs."""
+    removed = 0
+    for node in reversed(list(graph.nodes)):
+        if node.op in ("placeholder", "output") or node.users:
+            continue
+        if node.op == "call_function" and (is_mutating(node) or node.target in SIDE_EFFECTS):
+            continue
+        if node.op == "call_function" and node.target is not operator.getitem:
+            tags = getattr(node.target, "tags", ())
+            if torch.Tag.nondeterministic_seeded in tags:
+                continue  # drawing random numbers advances the generator: an effect
+        graph.erase_node(node)
+        removed += 1
+    return removed
+
+
+def users_after(node: Node, nodes: Iterable[Node]) -> List[Node]:
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return [u for u in nodes if order[u] > order[node]]

@@ -1,0 +1,69 @@
+"""The pass pipeline: an explicit list built from options, run by a small manager.
+
+Order matters and is fixed: constants first (so host work leaves the graph before partitioning),
+the carry pass next (it introduces the in-place writes), then the shape-enumeration partition,
+and the lowering last (it is the only pass that adds runtime state). One flag per pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable, List, Tuple
+
+from torch.fx import GraphModule
+
+from .context import PassContext
+from .errors import CadenceError
+
+__all__ = ["Options", "build_pipeline", "run_pipeline", "PassFailed"]
+
+log = logging.getLogger(__name__)
+
+
+class PassFailed(CadenceError):
+    """A pass raised or produced a graph that does not lint; names the pass."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    constants: bool = True     # hoist input-independent subgraphs (device-resident constants)
+    state_rule: bool = True    # the carry pass: retention as in-place writes on fixed storage
+    partition: bool = True     # shape enumeration: capturable vs eager pieces
+    lower: bool = True         # guarded pieces (device graphs where the backend has them)
+
+
+def build_pipeline(options: Options) -> List[Tuple[str, Callable]]:
+    from cadence_fx import passes  # passes/ is installed as cadence_fx.passes
+    pipeline = []
+    if options.constants:
+        pipeline.append(("hoist_constants", passes.hoist_constants))
+    if options.state_rule:
+        pipeline.append(("carry_retention", passes.carry_retention))
+    if options.partition:
+        pipeline.append(("shape_enumeration", passes.shape_enumeration))
+        if options.lower:  # lowering needs pieces; it always comes last
+            pipeline.append(("lower_guarded", passes.lower_guarded))
+    return pipeline
+
+
+def run_pipeline(gm: GraphModule, ctx: PassContext, pipeline) -> GraphModule:
+    for name, fn in pipeline:
+        start = time.perf_counter()
+        before = len(gm.graph.nodes)
+        try:
+            result = fn(gm, ctx)
+            gm = result.graph_module
+            gm.graph.lint()
+            gm.recompile()
+        except CadenceError:
+            raise
+        except Exception as e:  # noqa: BLE001 - name the pass that failed
+            raise PassFailed(f"pass {name} failed on class {ctx.class_key}: {type(e).__name__}: {e}") from e
+        seconds = time.perf_counter() - start
+        ctx.records["passes"].append({"name": name, "modified": result.modified,
+                                      "nodes_before": before, "nodes_after": len(gm.graph.nodes),
+                                      "seconds": round(seconds, 4)})
+        log.debug("%s: modified=%s nodes %d -> %d in %.3fs", name, result.modified, before,
+                  len(gm.graph.nodes), seconds)
+    return gm

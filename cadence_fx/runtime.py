@@ -1,0 +1,307 @@
+"""The compiled step: admission, carries, one rewritten graph per signature class, counters.
+
+A call is admitted when every region's extent is in the catalog and its frame width passes the
+adapter's admission predicate. Its region inputs are then made to *be* views of their carries
+(a foreign tensor -- the first call, a turn reset restoring the prompt state -- is copied in once;
+the caller's tensor is never written, which is what makes prompt state copy-on-write). The class's
+graph is traced on first sight, rewritten by the pipeline and run; region results come back as views
+of the carries, so their address never changes. Anything not admitted runs the stock step, with
+the reason recorded (and raised in strict mode).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.utils._pytree as pytree
+
+from .audit import Auditor
+from .catalog import Catalog, build_catalog
+from .context import Carry, PassContext, RegionBinding
+from .contract import Adapter
+from .counters import Counters
+from .errors import ContractError, GuardError
+from .fx_utils import is_mutating, mutated_arg, view_chain
+from .pipeline import Options, build_pipeline, run_pipeline
+from .replay import EagerBackend
+from .tracing import (InputSpec, TracedStep, bind_arguments, global_signature, leaves_with_paths,
+                      tensor_signature, trace_step)
+
+__all__ = ["compile", "CompiledStep"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ClassEntry:
+    key: Tuple
+    gm: torch.fx.GraphModule
+    inputs: List[InputSpec]
+    traced: TracedStep
+    records: Dict[str, list]
+    out_regions: Dict[str, int]      # region -> graph output index of its new state
+    writes: int
+    retentions: int
+    addresses: Tuple[int, ...]       # fixed-address inputs at compile time
+
+
+class CompiledStep:
+    """What ``cadence_fx.compile`` returns: call it like the stock step."""
+
+    def __init__(self, step: Callable, adapter: Adapter, module: torch.nn.Module, *,
+                 verify: bool = False, strict: bool = False, options: Options = Options(),
+                 backend=None, tracing_mode: str = "fake"):
+        self.step = step
+        self.adapter = adapter.validate()
+        self.catalog: Catalog = build_catalog(adapter)
+        self.module = module
+        self.verify = verify
+        self.strict = strict
+        self.options = options
+        self.backend = backend or EagerBackend()
+        self.tracing_mode = tracing_mode
+        self.counters = Counters()
+        self.auditor = Auditor()
+        self.carries: Dict[str, Carry] = {}
+        self.classes: Dict[Tuple, ClassEntry] = {}
+        self._private: Dict[str, torch.Tensor] = {}
+        self._params = dict(module.named_parameters(remove_duplicate=False))
+        self._buffers = dict(module.named_buffers(remove_duplicate=False))
+        self._extents = {r.name: set(self.catalog.region(r.name).extents) for r in adapter.regions}
+        self._classes_ok = {e for e, _ in self.catalog.classes}
+        self._pipeline = build_pipeline(options)
+        self._fn = step.forward if isinstance(step, torch.nn.Module) else step
+
+    # -- the call ---------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        self.counters.calls += 1
+        self.auditor.call_index = self.counters.calls
+        named = bind_arguments(self._fn, args, kwargs)
+        leaves, _ = leaves_with_paths(named)
+        by_path = dict(leaves)
+        reason = self._admission(by_path)
+        if reason is not None:
+            return self._eager(reason, args, kwargs)
+        if self.options.state_rule:
+            for r in self.adapter.regions:
+                if r.input in by_path and r.fixed_address:
+                    by_path[r.input] = self._absorb(r, by_path[r.input])
+        named = _replace_leaves(named, by_path)
+        key = self._signature(named)
+        entry = self.classes.get(key)
+        if entry is not None and self._fixed_addresses(entry) != entry.addresses:
+            self.counters.invalidations += 1
+            log.warning("class %s invalidated: a fixed-address input moved; re-tracing", key[0])
+            del self.classes[key]
+            entry = None
+        if entry is None:
+            entry = self._compile_class(key, named)
+        return self._run(entry, by_path)
+
+    def _admission(self, by_path) -> Optional[str]:
+        extents = []
+        for r in self.adapter.regions:
+            t = by_path.get(r.input)
+            if not isinstance(t, torch.Tensor):
+                return f"region {r.name!r} has no input state (priming pass): eager by construction"
+            self._check_declared_shape(r, t)
+            e = t.shape[r.dim]
+            if e not in self._extents[r.name]:
+                return (f"region {r.name!r} extent {e} is not in the catalog "
+                        f"{sorted(self._extents[r.name])} derived from its retention clocks")
+            extents.append(e)
+        if tuple(extents) not in self._classes_ok:
+            return f"region extents {tuple(extents)} never occur together in the catalog"
+        if self.adapter.call_input is not None:
+            x = by_path.get(self.adapter.call_input)
+            if not isinstance(x, torch.Tensor):
+                return f"call input {self.adapter.call_input!r} is missing"
+            w = x.shape[self.adapter.call_dim]
+            if not self.adapter.admits(w):
+                bound = (f"admission {self.adapter.admission} = "
+                         f"{self.adapter.clocks[self.adapter.admission]}" if self.adapter.admission
+                         else "no admission clock")
+                return (f"call width {w} is neither a declared call width "
+                        f"{list(self.adapter.call_widths())} nor admitted ({bound})")
+        return None
+
+    def _check_declared_shape(self, r, t: torch.Tensor) -> None:
+        if not r.shape:
+            return
+        want = [None if i == r.dim else self.adapter.dim_size(d, r) for i, d in enumerate(r.shape)]
+        got = list(t.shape)
+        if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
+            raise ContractError(
+                f"region {r.name!r} of adapter {self.adapter.name!r} declares shape "
+                f"{tuple('frames' if w is None else w for w in want)} but the step received "
+                f"{tuple(got)} at {r.input!r}; fix the region's shape clocks")
+
+    def _absorb(self, r, t: torch.Tensor) -> torch.Tensor:
+        carry = self.carries.get(r.name)
+        if carry is None:
+            shape = list(t.shape)
+            shape[r.dim] = self.catalog.region(r.name).declared_extent
+            with torch.no_grad():
+                carry = Carry(r, torch.zeros(shape, dtype=t.dtype, device=t.device))
+            self.carries[r.name] = carry
+        frames = t.shape[r.dim]
+        if carry.holds(t):
+            return carry.view(frames)
+        if t.device != carry.tensor.device or t.dtype != carry.tensor.dtype:
+            raise ContractError(f"region {r.name!r}: state arrived as {t.dtype} on {t.device}, but "
+                                f"its carry is {carry.tensor.dtype} on {carry.tensor.device}")
+        with torch.no_grad():
+            src = t.clone() if t.untyped_storage().data_ptr() == carry.tensor.untyped_storage().data_ptr() else t
+            carry.view(frames).copy_(src)
+        self.counters.absorptions += 1
+        return carry.view(frames)
+
+    def _signature(self, named) -> Tuple:
+        leaves, spec = leaves_with_paths(named)
+        parts = []
+        extents = []
+        for r in self.adapter.regions:
+            extents.append(named_leaf(leaves, r.input).shape[r.dim])
+        for path, v in leaves:
+            parts.append((path, tensor_signature(v) if isinstance(v, torch.Tensor) else repr(v)))
+        return (tuple(extents), tuple(parts), global_signature(), str(spec))
+
+    def _fixed_addresses(self, entry: ClassEntry) -> Tuple[int, ...]:
+        return tuple(self._input(spec, {}).data_ptr() for spec in entry.inputs
+                     if spec.kind in ("param", "carry"))
+
+    def _input(self, spec: InputSpec, by_path):
+        if spec.kind == "param":
+            return self._params[spec.name]
+        if spec.kind == "buffer":
+            return self._private.get(spec.name, self._buffers[spec.name])
+        if spec.kind == "carry":
+            return self.carries[spec.name].tensor
+        return by_path[spec.name]
+
+    def _run(self, entry: ClassEntry, by_path):
+        flat = [self._input(spec, by_path) for spec in entry.inputs]
+        with torch.no_grad():
+            outs = entry.gm(*flat)
+        t = entry.traced
+        leaves: List[Any] = [None] * len(t.out_paths)
+        for i, v in t.out_constants.items():
+            leaves[i] = v
+        for i, v in zip(t.out_tensor_index, outs):
+            leaves[i] = v
+        for name, idx in entry.out_regions.items():
+            self.counters.addresses[name].add(outs[idx].data_ptr())
+        self.counters.compiled_calls += 1
+        self.counters.applications += entry.writes
+        self.counters.retentions += entry.retentions
+        return pytree.tree_unflatten(leaves, t.out_spec)
+
+    def _eager(self, reason: str, args, kwargs):
+        if self.strict:
+            raise GuardError(f"strict mode: {reason}")
+        self.counters.fallback(reason)
+        return self.step(*args, **kwargs)
+
+    # -- compiling one class ----------------------------------------------------------------
+    def _compile_class(self, key, named) -> ClassEntry:
+        traced = trace_step(self.module, self._fn, named, tracing_mode=self.tracing_mode)
+        self.counters.traces += 1
+        gm = traced.gm
+        inputs = list(traced.inputs)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for spec in _mutated_buffers(placeholders, inputs):
+            if spec.name not in self._private:
+                self._private[spec.name] = self._buffers[spec.name].detach().clone()
+        out_pos = {p: k for k, p in enumerate(traced.out_paths[i] for i in traced.out_tensor_index)}
+        bindings = []
+        for r in self.adapter.regions:
+            ph = next((n for n, s in zip(placeholders, inputs) if s.kind == "arg" and s.name == r.input), None)
+            if r.output not in out_pos and r.fixed_address:
+                raise ContractError(f"region {r.name!r}: output path {r.output!r} is not a tensor "
+                                    f"result of the step (results: {traced.out_paths}); fix `output`")
+            if r.fixed_address and self.options.state_rule:
+                bindings.append(RegionBinding(r, ph, out_pos.get(r.output), self.carries[r.name]))
+        ctx = PassContext(adapter=self.adapter, class_key=key[0], inputs=inputs, regions=bindings,
+                          module_buffers=self._buffers, verify=self.verify, auditor=self.auditor,
+                          backend=self.backend, counters=self.counters)
+        gm = run_pipeline(gm, ctx, self._pipeline)
+        writes = [w for w in ctx.records["rewrites"] if w["kind"] in ("retention", "append", "materialize")]
+        entry = ClassEntry(
+            key=key, gm=gm, inputs=ctx.inputs, traced=traced, records=ctx.records,
+            out_regions={b.region.name: b.out_index for b in bindings if b.out_index is not None},
+            writes=len(writes), retentions=sum(w["kind"] == "retention" for w in writes), addresses=())
+        entry.addresses = self._fixed_addresses(entry)
+        self.classes[key] = entry
+        log.info("class %s compiled: %d nodes traced in %.2fs", key[0], len(traced.gm.graph.nodes),
+                 traced.seconds)
+        return entry
+
+    # -- inspection -------------------------------------------------------------------------
+    def report(self):
+        from .report import Report
+        return Report(self)
+
+    def _repr_html_(self):
+        return self.report()._repr_html_()
+
+    def __repr__(self):
+        return (f"CompiledStep(adapter={self.adapter.name!r}, classes={len(self.classes)}, "
+                f"counters={self.counters.as_dict()})")
+
+
+def named_leaf(leaves, path):
+    for p, v in leaves:
+        if p == path:
+            return v
+    raise KeyError(path)
+
+
+def _replace_leaves(named, by_path):
+    leaves, spec = leaves_with_paths(named)
+    return pytree.tree_unflatten([by_path.get(p, v) for p, v in leaves], spec)
+
+
+def _mutated_buffers(placeholders, inputs) -> List[InputSpec]:
+    index = {n: s for n, s in zip(placeholders, inputs)}
+    found = []
+    for n in placeholders[0].graph.nodes:
+        if is_mutating(n):
+            target = mutated_arg(n)
+            base = view_chain(target)[0] if target is not None else None
+            spec = index.get(base)
+            if spec is not None and spec.kind == "buffer" and spec not in found:
+                found.append(spec)
+    return found
+
+
+def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str], *,
+            module: Optional[torch.nn.Module] = None, verify: bool = False, strict: bool = False,
+            graphs: Optional[bool] = None, state_rule: bool = True, constants: bool = True,
+            backend=None, tracing_mode: str = "fake") -> CompiledStep:
+    """Compile a streaming step against an adapter.
+
+    ``step`` is a module (its ``forward`` is the step) or a callable; a plain callable names the
+    module holding its weights with ``module=`` (a bound method's module is found by itself).
+    ``verify`` turns on the shadow auditor; ``strict`` raises instead of falling back to eager;
+    ``state_rule``/``constants`` switch passes off; ``graphs=False`` (or the environment variable
+    ``CADENCE_FX_DISABLE_GRAPHS=1``) keeps every piece on the guarded eager path.
+    """
+    if isinstance(adapter, str):
+        from cadence_fx import adapters
+        adapter = adapters.get(adapter)
+    if not isinstance(adapter, Adapter):
+        raise TypeError(f"adapter must be an Adapter or a registered name, got {type(adapter).__name__}")
+    if module is None:
+        module = step if isinstance(step, torch.nn.Module) else getattr(step, "__self__", None)
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError("cannot tell which module holds the step's weights; pass module=")
+    if graphs is None:
+        graphs = os.environ.get("CADENCE_FX_DISABLE_GRAPHS", "0") in ("", "0")
+    if not graphs:
+        backend = EagerBackend()
+    options = Options(constants=constants, state_rule=state_rule)
+    return CompiledStep(step, adapter, module, verify=verify, strict=strict, options=options,
+                        backend=backend, tracing_mode=tracing_mode)

@@ -1,0 +1,144 @@
+"""Tracing front end: one exact-shape aten-level FX graph per catalog signature, via make_fx.
+
+Why make_fx: it records the aten calls eager dispatch makes (after the same composite
+decompositions), so running the graph calls the same kernels as stock eager and the results are
+bit-identical. Python control flow on shapes (retention firing, cache present or not) is resolved
+at trace time, which is exactly what one graph per signature wants. Parameters and buffers are
+lifted to placeholders, so passes can see which buffer the step writes (an over-sized envelope)
+and substitute contract-owned storage for it without touching the user's module.
+
+Placeholders of a traced step, in order: parameters, buffers, then the tensor leaves of the step's
+arguments (``InputSpec`` says which is which). Non-tensor leaves (ints, bools, None) are baked in and
+belong to the signature.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .errors import TraceError
+
+__all__ = ["InputSpec", "TracedStep", "bind_arguments", "leaves_with_paths", "trace_step",
+           "tensor_signature", "global_signature"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    kind: str   # "param" | "buffer" | "arg"
+    name: str   # the parameter/buffer name, or the argument path ("cache.estimator_att_cache")
+
+
+@dataclasses.dataclass
+class TracedStep:
+    gm: torch.fx.GraphModule
+    inputs: List[InputSpec]                  # one per placeholder, in order
+    out_spec: pytree.TreeSpec                # structure of the step's result
+    out_paths: List[str]                     # path of every result leaf
+    out_constants: Dict[int, Any]            # result leaves that are not tensors, by leaf index
+    out_tensor_index: List[int]              # leaf index of each graph output
+    seconds: float
+
+
+def _key_str(k) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def leaves_with_paths(tree) -> Tuple[List[Tuple[str, Any]], pytree.TreeSpec]:
+    """Flatten a pytree into ``(path, leaf)`` pairs with paths like ``"cache.att"`` or ``"1"``."""
+    flat, spec = pytree.tree_flatten_with_path(tree)
+    return [(".".join(_key_str(k) for k in path), leaf) for path, leaf in flat], spec
+
+
+def bind_arguments(fn: Callable, args: Sequence, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Name every argument of a call the way region paths name them."""
+    sig = inspect.signature(fn)
+    bound = sig.bind(*args, **kwargs)
+    out = dict(bound.arguments)
+    for name, p in sig.parameters.items():
+        if p.kind is inspect.Parameter.VAR_POSITIONAL and name in out:
+            out[name] = tuple(out[name])
+    return out
+
+
+def tensor_signature(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.storage_offset())
+
+
+def global_signature() -> tuple:
+    """Global state a trace bakes in: grad/inference mode, autocast, deterministic kernels."""
+    autocast = []
+    for dev in ("cpu", "cuda"):
+        try:
+            on = torch.is_autocast_enabled(dev)
+            autocast.append((dev, on, torch.get_autocast_dtype(dev) if on else None))
+        except (TypeError, RuntimeError):  # pragma: no cover - device type unknown to this build
+            pass
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), tuple(autocast),
+            torch.are_deterministic_algorithms_enabled())
+
+
+class _StepModule(torch.nn.Module):
+    """Lets ``torch.func.functional_call`` swap the parameters of any step function's module."""
+
+    def __init__(self, inner: torch.nn.Module, fn: Callable):
+        super().__init__()
+        self.inner = inner
+        self._fn = fn
+
+    def forward(self, **kwargs):
+        return self._fn(**kwargs)
+
+
+def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any], *,
+               tracing_mode: str = "fake") -> TracedStep:
+    """Trace ``fn(**named_args)`` with ``module``'s parameters and buffers lifted to placeholders."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    leaves, in_spec = leaves_with_paths(named_args)
+    arg_tensors = [(p, v) for p, v in leaves if isinstance(v, torch.Tensor)]
+    inputs = ([InputSpec("param", n) for n in params] + [InputSpec("buffer", n) for n in buffers]
+              + [InputSpec("arg", p) for p, _ in arg_tensors])
+    n_state = len(params) + len(buffers)
+    state_names = list(params) + list(buffers)
+    holder: Dict[str, Any] = {}
+    wrapper = _StepModule(module, fn)
+
+    def flat_step(*flat):
+        state = dict(zip(state_names, flat[:n_state]))
+        it = iter(flat[n_state:])
+        values = [next(it) if isinstance(v, torch.Tensor) else v for _, v in leaves]
+        kwargs = pytree.tree_unflatten(values, in_spec)
+        result = torch.func.functional_call(wrapper, {f"inner.{k}": v for k, v in state.items()},
+                                            (), kwargs, tie_weights=False, strict=False)
+        out_leaves, out_spec = leaves_with_paths(result)
+        holder["out"] = (out_leaves, out_spec)
+        return [v for _, v in out_leaves if isinstance(v, torch.Tensor)]
+
+    example = list(params.values()) + list(buffers.values()) + [v for _, v in arg_tensors]
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            gm = make_fx(flat_step, tracing_mode=tracing_mode, _allow_non_fake_inputs=True)(*example)
+    except Exception as e:  # noqa: BLE001 - re-raised with the signature that failed
+        shapes = {p: tuple(v.shape) for p, v in arg_tensors}
+        raise TraceError(f"make_fx could not trace the step at argument shapes {shapes}: "
+                         f"{type(e).__name__}: {e}") from e
+    out_leaves, out_spec = holder["out"]
+    tensor_idx = [i for i, (_, v) in enumerate(out_leaves) if isinstance(v, torch.Tensor)]
+    constants = {i: v for i, (_, v) in enumerate(out_leaves) if not isinstance(v, torch.Tensor)}
+    seconds = time.perf_counter() - start
+    log.debug("traced %d nodes in %.2fs", len(gm.graph.nodes), seconds)
+    return TracedStep(gm=gm, inputs=inputs, out_spec=out_spec, out_paths=[p for p, _ in out_leaves],
+                      out_constants=constants, out_tensor_index=tensor_idx, seconds=seconds)

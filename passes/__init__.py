@@ -1,0 +1,8 @@
+"""Graph passes, one per module. Each takes ``(GraphModule, PassContext)`` and returns a
+``PassResult``; ``cadence_fx.pipeline`` runs them in order, lints and recompiles between them."""
+from .carry_retention import carry_retention
+from .hoist_constants import hoist_constants
+from .lower_guarded import lower_guarded
+from .shape_enumeration import shape_enumeration
+
+__all__ = ["hoist_constants", "carry_retention", "shape_enumeration", "lower_guarded"]

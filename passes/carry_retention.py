@@ -1,0 +1,285 @@
+"""Liveness (carry) pass: retention and cache appends become in-place writes on the carry (§3.2).
+
+Cases handled, per declared region (``C`` is the region's carry, ``d`` its frame dimension):
+
+* region input: every use of the input placeholder reads ``C[:l]`` instead (the runtime guarantees
+  the input *is* that view, copying a foreign tensor in once: turn resets, the first call).
+* envelope: the state is a view of an over-sized buffer written by slice assignment, e.g. ::
+
+      buf[step][..., :n] = new          ->   C[step][..., :n] = new
+      return buf[..., :n]                    return C[..., :n]
+
+  The buffer placeholder is replaced by ``C``, allocated at the declared extent. Every access must
+  fit the carry; reads past it are allowed only on rows the step never writes and that hold zeros.
+* retention (eq. 3): ``cat([X[:P], X[L-R:L]])`` becomes ``C[P:P+R] = X[L-R:L]`` (plus
+  ``C[:P] = X[:P]`` when ``X`` is not already ``C``); overlapping moves are split into disjoint
+  pieces copied low to high, so the values equal the stock concat.
+* append: ``cat([C[:l], x])`` (append ordering, used once) becomes ``C[l:l+c] = x``.
+* anything else that yields the new state (a prepend cat, a tail slice of a fresh tensor) is
+  written into ``C[:n]`` once, after every read of the old state.
+
+Needs ``meta["val"]`` on the traced nodes. Invariant: the graph's outputs equal the stock graph's
+(``torch.equal``); the region outputs become views of ``C``, so their address never changes. With
+``verify`` the stock value is kept and compared after each write (the shadow auditor, §3.6).
+"""
+from __future__ import annotations
+
+import operator
+from typing import List, Optional, Tuple
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassResult
+
+from cadence_fx.audit import check_carry_write
+from cadence_fx.context import PassContext, RegionBinding
+from cadence_fx.fx_utils import INT_MAX, aten, is_mutating, mutated_arg, slice_bounds, val, view_chain
+from cadence_fx.tracing import InputSpec
+
+__all__ = ["carry_retention"]
+
+
+def carry_retention(gm: GraphModule, ctx: PassContext) -> PassResult:
+    modified = False
+    outputs = _output_node(gm)
+    for b in ctx.regions:
+        b.carry_node = ctx.add_placeholder(gm, f"carry_{b.region.name}", InputSpec("carry", b.region.name))
+        if b.placeholder is not None:
+            _read_input_from_carry(gm, b)
+        _replace_envelope(gm, ctx, b, outputs)
+        if b.out_index is not None:
+            modified |= _write_state(gm, ctx, b, outputs)
+    ctx.drop_unused_placeholders(gm)
+    return PassResult(gm, True if ctx.regions else modified)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+def _output_node(gm: GraphModule) -> Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def _out_values(out: Node) -> list:
+    return list(out.args[0])
+
+
+def _set_out_value(out: Node, i: int, node: Node) -> None:
+    values = _out_values(out)
+    values[i] = node
+    out.args = (type(out.args[0])(values),) + tuple(out.args[1:])
+
+
+def _slice(gm, src: Node, dim: int, start: int, stop: int) -> Node:
+    return gm.graph.call_function(aten.slice.Tensor, (src, dim, start, stop))
+
+
+def _read_input_from_carry(gm: GraphModule, b: RegionBinding) -> None:
+    frames = val(b.placeholder).shape[b.region.dim]
+    with gm.graph.inserting_after(b.carry_node):
+        view = _slice(gm, b.carry_node, b.region.dim, 0, frames)
+    view.meta["val"] = b.placeholder.meta.get("val")
+    b.placeholder.replace_all_uses_with(view)
+
+
+def _carry_offset(node: Node, b: RegionBinding, frames: int) -> Optional[bool]:
+    """True if ``node`` is ``C[:frames]`` (leading, full on other dims), False if it touches C some
+    other way, None if it does not read C at all."""
+    base, chain = view_chain(node)
+    if base is not b.carry_node:
+        return None
+    shape = list(b.carry.tensor.shape)
+    for v in chain:
+        if v.target is not aten.slice.Tensor:
+            return False
+        dim, start, stop = slice_bounds(v, shape[v.args[1]])
+        if start != 0:
+            return False
+        shape[dim] = stop
+    want = list(b.carry.tensor.shape)
+    want[b.region.dim] = frames
+    return shape == want
+
+
+# -- envelope -------------------------------------------------------------------------------
+
+def _replace_envelope(gm: GraphModule, ctx: PassContext, b: RegionBinding, out: Node) -> None:
+    if b.out_index is None:
+        return
+    state = _out_values(out)[b.out_index]
+    base, _ = view_chain(_retention_source(state) or state)
+    placeholders = ctx.placeholders(gm)
+    if base.op != "placeholder" or base not in placeholders:
+        return
+    spec = ctx.inputs[placeholders.index(base)]
+    if spec.kind != "buffer":
+        return
+    reason = _envelope_fits(base, b, ctx.module_buffers.get(spec.name))
+    if reason:
+        ctx.note("near_miss", b.region.name, f"envelope {spec.name}: {reason}")
+        return
+    base.replace_all_uses_with(b.carry_node)
+    env = tuple(val(base).shape) if val(base) is not None else ctx.module_buffers[spec.name].shape
+    ctx.note("envelope", b.region.name,
+             f"{spec.name} {tuple(env)} -> carry {tuple(b.carry.tensor.shape)}")
+
+
+def _envelope_fits(buf: Node, b: RegionBinding, real: Optional[torch.Tensor]) -> Optional[str]:
+    """Check every access to the envelope fits the carry; returns the reason it does not."""
+    carry = tuple(b.carry.tensor.shape)
+    env = tuple(val(buf).shape)
+    if len(env) != len(carry):
+        return f"rank {len(env)} differs from the declared rank {len(carry)}"
+    boxes: List[Tuple[str, list]] = []
+    stack = [(buf, [(0, s) for s in env], list(range(len(env))))]
+    while stack:
+        node, box, dims = stack.pop()
+        for u in node.users:
+            if u.op == "call_function" and u.target is aten.slice.Tensor and u.args[0] is node:
+                dim, start, stop = slice_bounds(u, box[dims[u.args[1]]][1] - box[dims[u.args[1]]][0])
+                nb = list(box)
+                lo = box[dims[dim]][0]
+                nb[dims[dim]] = (lo + start, lo + stop)
+                stack.append((u, nb, dims))
+            elif u.op == "call_function" and u.target is aten.select.int and u.args[0] is node:
+                dim, idx = u.args[1], u.args[2]
+                lo, hi = box[dims[dim]]
+                idx = idx + (hi - lo) if idx < 0 else idx
+                nb = list(box)
+                nb[dims[dim]] = (lo + idx, lo + idx + 1)
+                stack.append((u, nb, dims[:dim] + dims[dim + 1:]))
+            elif is_mutating(u) and mutated_arg(u) is node:
+                boxes.append(("write", box))
+            elif is_mutating(u):
+                boxes.append(("read", box))
+            else:
+                boxes.append(("read", box))
+    for kind, box in boxes:
+        for i, (lo, hi) in enumerate(box):
+            if hi <= carry[i]:
+                continue
+            if kind == "write" or i == b.region.dim:
+                return (f"the step {kind}s [{lo}, {hi}) of dim {i}, beyond the declared "
+                        f"{carry[i]}; declare a larger extent or fix the clocks")
+            if real is None or real.narrow(i, carry[i], env[i] - carry[i]).count_nonzero().item():
+                return (f"the step reads rows [{carry[i]}, {hi}) of dim {i} that are not declared "
+                        "and not known to be zero")
+    return None
+
+
+# -- the new state ----------------------------------------------------------------------------
+
+def _retention_source(node: Node) -> Optional[Node]:
+    """``X`` if ``node`` is ``cat([X[:P], X[L-R:L]], d)``, else None."""
+    if node.op != "call_function" or node.target is not aten.cat.default:
+        return None
+    parts = node.args[0]
+    if len(parts) != 2 or any(p.op != "call_function" or p.target is not aten.slice.Tensor
+                              for p in parts):
+        return None
+    x = parts[0].args[0]
+    return x if parts[1].args[0] is x else None
+
+
+def _write_state(gm: GraphModule, ctx: PassContext, b: RegionBinding, out: Node) -> bool:
+    r, d = b.region, b.region.dim
+    state = _out_values(out)[b.out_index]
+    v = val(state)
+    if v is None:
+        ctx.note("near_miss", r.name, "the new state has no recorded shape")
+        return False
+    frames = v.shape[d]
+    want = list(b.carry.tensor.shape)
+    if list(v.shape[:d]) + list(v.shape[d + 1:]) != want[:d] + want[d + 1:] or v.dtype != b.carry.tensor.dtype:
+        ctx.note("near_miss", r.name, f"new state {tuple(v.shape)} {v.dtype} does not match the "
+                 f"declared carry {tuple(want)} {b.carry.tensor.dtype} outside the frame dim")
+        return False
+    if frames > b.carry.extent:
+        ctx.note("near_miss", r.name, f"new state holds {frames} frames, beyond the declared "
+                 f"extent {b.carry.extent}; check the retention clocks")
+        return False
+    late = _late_carry_write(state, b)
+    if late is not None:
+        ctx.note("near_miss", r.name, f"{late.name} writes the carry after the new state is formed")
+        return False
+    others = [o for i, o in enumerate(_out_values(out)) if i != b.out_index and isinstance(o, Node)]
+    if any(view_chain(o)[0] is b.carry_node for o in others):
+        ctx.note("near_miss", r.name, "another result of the step is a view of the region's carry")
+        return False
+    at = _carry_offset(state, b, frames)
+    if at:
+        ctx.note("in_place", r.name, f"state is already C[:{frames}]")
+        return False
+    with gm.graph.inserting_before(out):
+        dst = _slice(gm, b.carry_node, d, 0, frames)
+        kind = (_try_retention(gm, b, state, dst) or _try_append(gm, b, state, dst)
+                or _materialize(gm, b, state, dst))
+        if ctx.verify:
+            audit = gm.graph.call_function(check_carry_write, (ctx.auditor, r.name, kind, state, dst))
+            audit.meta["cadence_eager_reason"] = "shadow audit compares on the host"
+    _set_out_value(out, b.out_index, dst)
+    ctx.note(kind, r.name, f"new state ({frames} frames) written into C[:{frames}]")
+    return True
+
+
+def _late_carry_write(state: Node, b: RegionBinding) -> Optional[Node]:
+    node = state.next
+    while node.op != "output":
+        if is_mutating(node):
+            target = mutated_arg(node)
+            if target is not None and view_chain(target)[0] is b.carry_node:
+                return node
+        node = node.next
+    return None
+
+
+def _copy(gm, dst: Node, src: Node) -> Node:
+    return gm.graph.call_function(aten.copy_.default, (dst, src))
+
+
+def _try_retention(gm, b: RegionBinding, state: Node, dst: Node) -> Optional[str]:
+    x = _retention_source(state)
+    d = b.region.dim
+    if x is None or val(x) is None:
+        return None
+    L = val(x).shape[d]
+    (d0, s0, e0), (d1, s1, e1) = (slice_bounds(p, L) for p in state.args[0])
+    cat_dim = state.args[1] if len(state.args) > 1 else 0
+    if not (d0 == d1 == (cat_dim % val(x).dim()) == d and s0 == 0 and e1 == L and e0 <= s1):
+        return None
+    P, R = e0, e1 - s1
+    aliased = _carry_offset(x, b, L)
+    if aliased is False:
+        return None
+    if not aliased:
+        _copy(gm, _slice(gm, dst, d, 0, P), state.args[0][0])
+        _copy(gm, _slice(gm, dst, d, P, P + R), state.args[0][1])
+        return "retention"
+    shift = s1 - P  # dst [P, P+R) <- src [s1, s1+R), moved down by `shift`
+    for k in range(0, R, shift) if shift > 0 else ():
+        n = min(shift, R - k)
+        _copy(gm, _slice(gm, b.carry_node, d, P + k, P + k + n),
+              _slice(gm, b.carry_node, d, s1 + k, s1 + k + n))
+    return "retention"
+
+
+def _try_append(gm, b: RegionBinding, state: Node, dst: Node) -> Optional[str]:
+    if state.op != "call_function" or state.target is not aten.cat.default or len(state.users) != 1:
+        return None
+    parts, d = state.args[0], b.region.dim
+    cat_dim = state.args[1] if len(state.args) > 1 else 0
+    if len(parts) != 2 or val(state) is None or cat_dim % val(state).dim() != d:
+        return None
+    head, tail = parts
+    held = val(head).shape[d] if val(head) is not None else None
+    if held is None or not _carry_offset(head, b, held) or _carry_offset(tail, b, 0) is not None:
+        return None
+    _copy(gm, _slice(gm, dst, d, held, val(state).shape[d]), tail)
+    return "append"
+
+
+def _materialize(gm, b: RegionBinding, state: Node, dst: Node) -> str:
+    src = state
+    if _carry_offset(state, b, 0) is not None:  # reads C at an offset: copy through a temporary
+        src = gm.graph.call_function(aten.clone.default, (state,))
+    _copy(gm, dst, src)
+    return "materialize"

@@ -1,0 +1,114 @@
+"""Device-resident constants: input-independent subgraphs are evaluated once and held on the device.
+
+Case handled -- the DiT timestep frequency table, built on the host and copied over on every call::
+
+    arange = aten.arange.start(0, 128, device=cpu)          # before
+    freqs = aten._to_copy(aten.exp(arange * c / 128), device=cuda)
+    args = aten.mul(t, freqs)
+
+    args = aten.mul(t, self._cadence_const_0)               # after: computed once, on the device
+
+A host-to-device copy cannot be captured in a CUDA graph, so hoisting it is what makes the rest of
+the chunk capturable. The constant is computed by running the very same aten ops once, so its
+value is the stock value bit for bit.
+
+Not hoisted: anything reading a placeholder (parameters and buffers included: the user may update
+them), random draws, mutated tensors and their views, values returned by the step (the caller may
+mutate them), and constants over ``max_bytes``. Invariant: outputs unchanged; fewer nodes per call.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Dict, Set
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassResult
+
+from cadence_fx.context import PassContext
+from cadence_fx.fx_utils import SIDE_EFFECTS, aten, dead_code_elimination, is_mutating, mutated_arg, view_chain
+
+__all__ = ["hoist_constants"]
+
+MAX_BYTES = 64 << 20
+
+
+def hoist_constants(gm: GraphModule, ctx: PassContext, max_bytes: int = MAX_BYTES) -> PassResult:
+    mutated: Set[Node] = set()
+    for n in gm.graph.nodes:
+        if is_mutating(n):
+            target = mutated_arg(n)
+            if target is not None:
+                base, chain = view_chain(target)
+                mutated.update([base, *chain])
+    const: Set[Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            const.add(n)
+        elif n.op == "call_function" and _pure(n) and n not in mutated and all(
+                a in const for a in n.all_input_nodes):
+            const.add(n)
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    frontier = [n for n in gm.graph.nodes if n in const and n.op == "call_function"
+                and n not in output.all_input_nodes
+                and any(u not in const for u in n.users)]
+    if not frontier:
+        return PassResult(gm, False)
+    values: Dict[Node, object] = {}
+    for n in gm.graph.nodes:  # evaluate, in graph order, only what the frontier needs
+        if n in const and n.op == "get_attr":
+            values[n] = _fetch(gm, n.target)
+        elif n in const:
+            args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: values[a])
+            values[n] = n.target(*args, **kwargs)
+    hoisted = 0
+    for n in frontier:
+        v = values[n]
+        if not isinstance(v, torch.Tensor) or v.numel() * v.element_size() > max_bytes:
+            continue
+        name = f"_cadence_const_{len(ctx.records['constants'])}"
+        gm.register_buffer(name, v.detach(), persistent=False)
+        with gm.graph.inserting_before(n):
+            attr = gm.graph.get_attr(name)
+        attr.meta["val"] = n.meta.get("val")
+        n.replace_all_uses_with(attr)
+        ctx.records["constants"].append({
+            "name": name, "shape": tuple(v.shape), "dtype": str(v.dtype), "device": str(v.device),
+            "host_to_device": _crosses_devices(n), "from": n.name})
+        hoisted += 1
+    dead_code_elimination(gm.graph)
+    return PassResult(gm, hoisted > 0)
+
+
+def _pure(n: Node) -> bool:
+    t = n.target
+    if t is operator.getitem:
+        return True
+    if not isinstance(t, torch._ops.OpOverload) or is_mutating(n) or t in SIDE_EFFECTS:
+        return False
+    tags = t.tags
+    return not (torch.Tag.nondeterministic_seeded in tags or torch.Tag.dynamic_output_shape in tags
+                or torch.Tag.data_dependent_output in tags)
+
+
+def _fetch(gm: GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _crosses_devices(node: Node) -> bool:
+    """Does the subgraph behind ``node`` copy a host tensor to another device?"""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        v, src = n.meta.get("val"), [a.meta.get("val") for a in n.all_input_nodes]
+        if isinstance(v, torch.Tensor) and any(isinstance(s, torch.Tensor) and s.device != v.device
+                                               for s in src):
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
