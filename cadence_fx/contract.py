@@ -150,6 +150,17 @@ class Adapter:
             return True
         return self.admission is not None and 0 < frames <= self.clock(self.admission)
 
+    def with_clocks(self, **clocks: int) -> "Adapter":
+        """The same declarations at other numbers (a smaller model, another operating point)."""
+        unknown = sorted(set(clocks) - set(self.clocks))
+        if unknown:
+            raise ContractError(f"adapter {self.name!r} has no clock(s) {unknown} to override")
+        return dataclasses.replace(self, clocks={**self.clocks, **clocks}).validate()
+
+    def select(self, *regions: str) -> "Adapter":
+        """The same adapter restricted to some regions (a step that holds only part of the state)."""
+        return dataclasses.replace(self, regions=tuple(self.region(n) for n in regions)).validate()
+
     # -- validation ------------------------------------------------------------------------
     def validate(self) -> "Adapter":
         """Reject inconsistent declarations with an error naming the culprit and the fix."""

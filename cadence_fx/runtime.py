@@ -129,11 +129,22 @@ class CompiledStep:
         return None
 
     def _check_declared_shape(self, r, t: torch.Tensor) -> None:
+        """The state must have the declared shape outside the frame dim. Stock code may reserve
+        more rows than it ever writes (Token2Wav's 16 solver-step slots for 10 steps): larger dims
+        are accepted when the rows beyond the declaration hold zeros; absorption drops them."""
         if not r.shape:
             return
         want = [None if i == r.dim else self.adapter.dim_size(d, r) for i, d in enumerate(r.shape)]
         got = list(t.shape)
-        if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
+        bad = len(got) != len(want) or any(w is not None and w > g for w, g in zip(want, got))
+        if not bad:
+            carry = self.carries.get(r.name)
+            if carry is not None and carry.holds(t):
+                return
+            for i, (w, g) in enumerate(zip(want, got)):
+                if w is not None and g > w and t.narrow(i, w, g - w).any():
+                    bad = True
+        if bad:
             raise ContractError(
                 f"region {r.name!r} of adapter {self.adapter.name!r} declares shape "
                 f"{tuple('frames' if w is None else w for w in want)} but the step received "
@@ -142,7 +153,7 @@ class CompiledStep:
     def _absorb(self, r, t: torch.Tensor) -> torch.Tensor:
         carry = self.carries.get(r.name)
         if carry is None:
-            shape = list(t.shape)
+            shape = [self.adapter.dim_size(d, r) for d in r.shape] if r.shape else list(t.shape)
             shape[r.dim] = self.catalog.region(r.name).declared_extent
             with torch.no_grad():
                 carry = Carry(r, torch.zeros(shape, dtype=t.dtype, device=t.device))
@@ -153,8 +164,13 @@ class CompiledStep:
         if t.device != carry.tensor.device or t.dtype != carry.tensor.dtype:
             raise ContractError(f"region {r.name!r}: state arrived as {t.dtype} on {t.device}, but "
                                 f"its carry is {carry.tensor.dtype} on {carry.tensor.device}")
+        src = t
+        for i, size in enumerate(carry.tensor.shape):
+            if i != r.dim and src.shape[i] > size:  # undeclared rows, checked to be zero
+                src = src.narrow(i, 0, size)
         with torch.no_grad():
-            src = t.clone() if t.untyped_storage().data_ptr() == carry.tensor.untyped_storage().data_ptr() else t
+            if src.untyped_storage().data_ptr() == carry.tensor.untyped_storage().data_ptr():
+                src = src.clone()
             carry.view(frames).copy_(src)
         self.counters.absorptions += 1
         return carry.view(frames)

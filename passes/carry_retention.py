@@ -25,6 +25,7 @@ Needs ``meta["val"]`` on the traced nodes. Invariant: the graph's outputs equal 
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import List, Optional, Tuple
 
 import torch
@@ -44,6 +45,7 @@ def carry_retention(gm: GraphModule, ctx: PassContext) -> PassResult:
     outputs = _output_node(gm)
     for b in ctx.regions:
         b.carry_node = ctx.add_placeholder(gm, f"carry_{b.region.name}", InputSpec("carry", b.region.name))
+        b.carry_node.meta["val"] = _fake_mode(gm).from_tensor(b.carry.tensor)
         if b.placeholder is not None:
             _read_input_from_carry(gm, b)
         _replace_envelope(gm, ctx, b, outputs)
@@ -57,6 +59,14 @@ def carry_retention(gm: GraphModule, ctx: PassContext) -> PassResult:
 
 def _output_node(gm: GraphModule) -> Node:
     return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def _fake_mode(gm: GraphModule):
+    for n in gm.graph.nodes:
+        v = val(n)
+        if v is not None and hasattr(v, "fake_mode"):
+            return v.fake_mode
+    raise ValueError("the traced graph carries no fake values; trace with tracing_mode='fake'")
 
 
 def _out_values(out: Node) -> list:
@@ -117,8 +127,19 @@ def _replace_envelope(gm: GraphModule, ctx: PassContext, b: RegionBinding, out: 
     if reason:
         ctx.note("near_miss", b.region.name, f"envelope {spec.name}: {reason}")
         return
+    users = list(base.users)
     base.replace_all_uses_with(b.carry_node)
-    env = tuple(val(base).shape) if val(base) is not None else ctx.module_buffers[spec.name].shape
+    env = tuple(val(base).shape)
+    if env != tuple(b.carry.tensor.shape):
+        try:
+            _propagate_meta(gm, b.carry_node)
+        except Exception as e:  # noqa: BLE001 - a shape the shrunken envelope cannot give
+            for u in users:
+                u.replace_input_with(b.carry_node, base)
+            _propagate_meta(gm, base)
+            ctx.note("near_miss", b.region.name, f"envelope {spec.name}: the step's shapes do not "
+                     f"follow the declared extent ({type(e).__name__}: {e})")
+            return
     ctx.note("envelope", b.region.name,
              f"{spec.name} {tuple(env)} -> carry {tuple(b.carry.tensor.shape)}")
 
@@ -164,6 +185,18 @@ def _envelope_fits(buf: Node, b: RegionBinding, real: Optional[torch.Tensor]) ->
                 return (f"the step reads rows [{carry[i]}, {hi}) of dim {i} that are not declared "
                         "and not known to be zero")
     return None
+
+
+def _propagate_meta(gm: GraphModule, changed: Node) -> None:
+    """Recompute the fake values downstream of ``changed`` (its storage shrank to the carry)."""
+    dirty = {changed}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not any(a in dirty for a in node.all_input_nodes):
+            continue
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+        with val(changed).fake_mode:
+            node.meta["val"] = node.target(*args, **kwargs)
+        dirty.add(node)
 
 
 # -- the new state ----------------------------------------------------------------------------
@@ -214,7 +247,11 @@ def _write_state(gm: GraphModule, ctx: PassContext, b: RegionBinding, out: Node)
         kind = (_try_retention(gm, b, state, dst) or _try_append(gm, b, state, dst)
                 or _materialize(gm, b, state, dst))
         if ctx.verify:
-            audit = gm.graph.call_function(check_carry_write, (ctx.auditor, r.name, kind, state, dst))
+            gm._cadence_auditor = ctx.auditor
+            with warnings.catch_warnings():  # FX warns on get_attr of a non-tensor attribute
+                warnings.simplefilter("ignore", UserWarning)
+                auditor = gm.graph.get_attr("_cadence_auditor")
+            audit = gm.graph.call_function(check_carry_write, (auditor, r.name, kind, state, dst))
             audit.meta["cadence_eager_reason"] = "shadow audit compares on the host"
     _set_out_value(out, b.out_index, dst)
     ctx.note(kind, r.name, f"new state ({frames} frames) written into C[:{frames}]")

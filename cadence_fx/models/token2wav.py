@@ -1,0 +1,98 @@
+"""The real MiniCPM-o 4.5 / Step-Audio2 Token2Wav flow decoder, built from ``minicpmo==0.1.2``.
+
+The stock classes are imported without running ``stepaudio2/__init__.py`` (which pulls in
+torchaudio, s3tokenizer and hyperpyyaml for the tokenizer and file loading, none of which the flow
+decoder uses); ``flow_matching.py`` imports onnxruntime at the top without using it, so an empty
+stand-in module is registered when onnxruntime is not installed. Weights are seeded random at the
+real configuration; the layers the stock code zero-initialises are re-randomised, otherwise the
+computation would be trivial.
+
+``CFMStep`` is the thin step: ``CausalConditionalCFM.forward_chunk`` followed by the retention
+exactly as ``stepaudio2/token2wav.py`` applies it to ``estimator_att_cache`` (prompt + last 100
+frames, along dim 4).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from typing import Dict, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["import_stock", "build_cfm", "CFMStep", "prime_cfm"]
+
+DIT_CONFIG = dict(in_channels=320, out_channels=80, mlp_ratio=4, num_heads=8, head_dim=64,
+                  hidden_size=512)
+
+
+def import_stock() -> types.SimpleNamespace:
+    """The stock flow modules of ``minicpmo==0.1.2`` (package ``stepaudio2``)."""
+    spec = importlib.util.find_spec("stepaudio2")
+    if spec is None:
+        raise ImportError("the real Token2Wav code needs `pip install --no-deps minicpmo==0.1.2` "
+                          "and `pip install einops`")
+    if "onnxruntime" not in sys.modules and importlib.util.find_spec("onnxruntime") is None:
+        stand_in = types.ModuleType("onnxruntime")
+        stand_in.__spec__ = importlib.machinery.ModuleSpec("onnxruntime", None)
+        sys.modules["onnxruntime"] = stand_in
+    if "stepaudio2" not in sys.modules:
+        pkg = types.ModuleType("stepaudio2")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        pkg.__spec__ = spec
+        sys.modules["stepaudio2"] = pkg
+    return types.SimpleNamespace(
+        flow_matching=importlib.import_module("stepaudio2.cosyvoice2.flow.flow_matching"),
+        decoder_dit=importlib.import_module("stepaudio2.cosyvoice2.flow.decoder_dit"))
+
+
+def build_cfm(depth: int = 16, *, seed: int = 0, device="cpu", cfg_rate: float = 0.7) -> nn.Module:
+    """``CausalConditionalCFM`` with the real DiT configuration at ``depth`` blocks, random weights."""
+    stock = import_stock()
+    torch.manual_seed(seed)
+    dit = stock.decoder_dit.DiT(depth=depth, **DIT_CONFIG)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in dit.named_parameters():
+            # re-randomise everything, the adaLN-Zero and output layers included
+            scale = 0.02 if p.dim() > 1 else 0.01
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    cfm = stock.flow_matching.CausalConditionalCFM(dit, inference_cfg_rate=cfg_rate)
+    return cfm.to(device).eval()
+
+
+class CFMStep(nn.Module):
+    """One streaming chunk of the CFM decoder, then Token2Wav's retention of the attention cache."""
+
+    def __init__(self, cfm: nn.Module, prompt_frames: int = 302, retained_frames: int = 100,
+                 n_timesteps: int = 10):
+        super().__init__()
+        self.cfm = cfm
+        self.prompt_frames, self.retained_frames, self.n_timesteps = (
+            prompt_frames, retained_frames, n_timesteps)
+
+    def forward(self, mu, spks, cond, cache: Dict[str, torch.Tensor]):
+        mel, cnn, att = self.cfm.forward_chunk(
+            mu, spks, cond, n_timesteps=self.n_timesteps, temperature=1.0,
+            cnn_cache=cache["estimator_cnn_cache"] if cache else None,
+            att_cache=cache["estimator_att_cache"] if cache else None)
+        p, r = self.prompt_frames, self.retained_frames
+        if att.shape[4] > p + r:  # as stepaudio2/token2wav.py, Token2wav.stream
+            att = torch.cat([att[:, :, :, :, :p], att[:, :, :, :, -r:]], dim=4)
+        return mel, {"estimator_cnn_cache": cnn, "estimator_att_cache": att}
+
+
+def prime_cfm(step: CFMStep, *, seed: int = 1, device="cpu") -> Tuple[torch.Tensor, Dict]:
+    """The cache-free prompt-priming pass (eager by construction); returns ``(spks, prompt state)``
+    with the state cloned, as a caller restoring it at turn boundaries would keep it."""
+    g = torch.Generator().manual_seed(seed)
+    p = step.prompt_frames
+    mu = torch.randn(1, 80, p, generator=g).to(device)
+    cond = torch.randn(1, 80, p, generator=g).to(device)
+    spks = torch.randn(1, 80, generator=g).to(device)
+    with torch.inference_mode():
+        _, state = step(mu, spks, cond, None)
+    return spks, {k: v.clone() for k, v in state.items()}
