@@ -53,7 +53,8 @@ class CompiledStep:
 
     def __init__(self, step: Callable, adapter: Adapter, module: torch.nn.Module, *,
                  verify: bool = False, strict: bool = False, options: Options = Options(),
-                 backend=None, tracing_mode: str = "fake"):
+                 backend=None, tracing_mode: str = "fake",
+                 carries: Optional[Dict[str, Carry]] = None):
         self.step = step
         self.adapter = adapter.validate()
         self.catalog: Catalog = build_catalog(adapter)
@@ -65,7 +66,7 @@ class CompiledStep:
         self.tracing_mode = tracing_mode
         self.counters = Counters()
         self.auditor = Auditor()
-        self.carries: Dict[str, Carry] = {}
+        self.carries: Dict[str, Carry] = {} if carries is None else carries  # may be shared
         self.classes: Dict[Tuple, ClassEntry] = {}
         self._private: Dict[str, torch.Tensor] = {}
         self._params = dict(module.named_parameters(remove_duplicate=False))
@@ -178,12 +179,13 @@ class CompiledStep:
     def _signature(self, named) -> Tuple:
         leaves, spec = leaves_with_paths(named)
         parts = []
-        extents = []
-        for r in self.adapter.regions:
-            extents.append(named_leaf(leaves, r.input).shape[r.dim])
+        extents = tuple(named_leaf(leaves, r.input).shape[r.dim] for r in self.adapter.regions)
+        width = None
+        if self.adapter.call_input is not None:
+            width = named_leaf(leaves, self.adapter.call_input).shape[self.adapter.call_dim]
         for path, v in leaves:
             parts.append((path, tensor_signature(v) if isinstance(v, torch.Tensor) else repr(v)))
-        return (tuple(extents), tuple(parts), global_signature(), str(spec))
+        return ((extents, width), tuple(parts), global_signature(), str(spec))
 
     def _fixed_addresses(self, entry: ClassEntry) -> Tuple[int, ...]:
         return tuple(self._input(spec, {}).data_ptr() for spec in entry.inputs
@@ -228,9 +230,6 @@ class CompiledStep:
         gm = traced.gm
         inputs = list(traced.inputs)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        for spec in _mutated_buffers(placeholders, inputs):
-            if spec.name not in self._private:
-                self._private[spec.name] = self._buffers[spec.name].detach().clone()
         out_pos = {p: k for k, p in enumerate(traced.out_paths[i] for i in traced.out_tensor_index)}
         bindings = []
         for r in self.adapter.regions:
@@ -244,6 +243,13 @@ class CompiledStep:
                           module_buffers=self._buffers, verify=self.verify, auditor=self.auditor,
                           backend=self.backend, counters=self.counters)
         gm = run_pipeline(gm, ctx, self._pipeline)
+        # Buffers the rewritten step still writes get a private copy: the user's module is never
+        # written by the compiled path (envelopes replaced by carries are gone by now).
+        unsplit = ctx.records.get("graph", gm)
+        for spec in _mutated_buffers([n for n in unsplit.graph.nodes if n.op == "placeholder"],
+                                     ctx.inputs):
+            if spec.name not in self._private:
+                self._private[spec.name] = self._buffers[spec.name].detach().clone()
         writes = [w for w in ctx.records["rewrites"] if w["kind"] in ("retention", "append", "materialize")]
         entry = ClassEntry(
             key=key, gm=gm, inputs=ctx.inputs, traced=traced, records=ctx.records,
@@ -296,14 +302,16 @@ def _mutated_buffers(placeholders, inputs) -> List[InputSpec]:
 def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str], *,
             module: Optional[torch.nn.Module] = None, verify: bool = False, strict: bool = False,
             graphs: Optional[bool] = None, state_rule: bool = True, constants: bool = True,
-            backend=None, tracing_mode: str = "fake") -> CompiledStep:
+            backend=None, tracing_mode: str = "fake",
+            carries: Optional[Dict[str, Carry]] = None) -> CompiledStep:
     """Compile a streaming step against an adapter.
 
     ``step`` is a module (its ``forward`` is the step) or a callable; a plain callable names the
     module holding its weights with ``module=`` (a bound method's module is found by itself).
     ``verify`` turns on the shadow auditor; ``strict`` raises instead of falling back to eager;
     ``state_rule``/``constants`` switch passes off; ``graphs=False`` (or the environment variable
-    ``CADENCE_FX_DISABLE_GRAPHS=1``) keeps every piece on the guarded eager path.
+    ``CADENCE_FX_DISABLE_GRAPHS=1``) keeps every piece on the guarded eager path. ``carries``
+    shares the carry store of another compiled step of the same stream.
     """
     if isinstance(adapter, str):
         from cadence_fx import adapters
@@ -320,4 +328,4 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
         backend = EagerBackend()
     options = Options(constants=constants, state_rule=state_rule)
     return CompiledStep(step, adapter, module, verify=verify, strict=strict, options=options,
-                        backend=backend, tracing_mode=tracing_mode)
+                        backend=backend, tracing_mode=tracing_mode, carries=carries)

@@ -69,6 +69,8 @@ def bind_arguments(fn: Callable, args: Sequence, kwargs: Dict[str, Any]) -> Dict
     for name, p in sig.parameters.items():
         if p.kind is inspect.Parameter.VAR_POSITIONAL and name in out:
             out[name] = tuple(out[name])
+        elif p.kind is inspect.Parameter.VAR_KEYWORD and name in out:
+            out.update(out.pop(name))  # **kwargs: each keyword is an argument of its own
     return out
 
 

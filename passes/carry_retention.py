@@ -230,10 +230,6 @@ def _write_state(gm: GraphModule, ctx: PassContext, b: RegionBinding, out: Node)
         ctx.note("near_miss", r.name, f"new state holds {frames} frames, beyond the declared "
                  f"extent {b.carry.extent}; check the retention clocks")
         return False
-    late = _late_carry_write(state, b)
-    if late is not None:
-        ctx.note("near_miss", r.name, f"{late.name} writes the carry after the new state is formed")
-        return False
     others = [o for i, o in enumerate(_out_values(out)) if i != b.out_index and isinstance(o, Node)]
     if any(view_chain(o)[0] is b.carry_node for o in others):
         ctx.note("near_miss", r.name, "another result of the step is a view of the region's carry")
@@ -241,6 +237,10 @@ def _write_state(gm: GraphModule, ctx: PassContext, b: RegionBinding, out: Node)
     at = _carry_offset(state, b, frames)
     if at:
         ctx.note("in_place", r.name, f"state is already C[:{frames}]")
+        return False
+    late = _late_carry_write(state, b)
+    if late is not None:
+        ctx.note("near_miss", r.name, f"{late.name} writes the carry after the new state is formed")
         return False
     with gm.graph.inserting_before(out):
         dst = _slice(gm, b.carry_node, d, 0, frames)

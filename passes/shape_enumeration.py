@@ -92,6 +92,8 @@ def shape_enumeration(gm: GraphModule, ctx: PassContext) -> PassResult:
                 dag.add_edge(piece_of[a], piece_of[n], value=a.name)
     assert nx.is_directed_acyclic_graph(dag) and all(u < v for u, v in dag.edges), \
         "pieces taken in graph order must only depend on earlier pieces"
+    ctx.records["graph"] = gm  # the unsplit graph, for inspection
+    ctx.records["piece_of"] = {n.name: piece_of[n] for n in body}
     split = _split(gm, runs, piece_of)
     ctx.records["pieces"] = [{
         "name": f"piece_{i}", "kind": kinds[run[0]], "nodes": len(run),

@@ -1,0 +1,131 @@
+"""``torch.compile(m, backend="cadence", dynamic=False, options={"adapter": ...})``.
+
+Dynamo hands the backend a torch-level FX graph per shape specialization, with parameters and
+buffers lifted to inputs (their sources name them). The backend wraps that graph in a module,
+maps the adapter's paths onto its placeholders (``cache.att`` is the input whose source is
+``L['cache']['att']``) and outputs, and runs the same pipeline as ``cadence_fx.compile`` on it: the
+graph is re-traced to aten level by make_fx, so the kernels stay those of stock eager.
+
+Limits: dynamo flattens the step's results, so a region's output is found by its shape (the one
+result whose non-frame dims match the declaration); when that is ambiguous the region is left out
+and the report says so. Use ``dynamic=False``: the catalog wants exact shapes, not symbolic ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Dict, List, Optional
+
+import torch
+
+from .contract import Adapter
+from .errors import ContractError
+
+__all__ = ["cadence_backend"]
+
+_SHARED_CARRIES: Dict[tuple, dict] = {}
+
+log = logging.getLogger(__name__)
+
+
+def _source_name(path: str) -> str:
+    keys = "".join(f"[{int(k)}]" if k.isdigit() else f"[{k!r}]" for k in path.split("."))
+    return f"L{keys}"
+
+
+class _DynamoStep(torch.nn.Module):
+    """A dynamo graph as a step module: lifted parameters and buffers become its own again."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs):
+        super().__init__()
+        self.gm = gm
+        self.order: List[str] = []
+        self.args: List[str] = []
+        for node, value in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
+            source = node.meta.get("grapharg")
+            source = source.source.name if source is not None else ""
+            source = source() if callable(source) else source
+            self.order.append(node.name)
+            if "._parameters[" in source and isinstance(value, torch.nn.Parameter):
+                self.register_parameter(node.name, value)
+            elif "._buffers[" in source and isinstance(value, torch.Tensor):
+                self.register_buffer(node.name, value, persistent=False)
+            else:
+                self.args.append(node.name)
+
+    def forward(self, **kwargs):
+        state = dict(self.named_parameters(recurse=False))
+        state.update(self.named_buffers(recurse=False))
+        return self.gm(*[kwargs[n] if n in kwargs else state[n] for n in self.order])
+
+
+def _map_adapter(adapter: Adapter, gm: torch.fx.GraphModule, step: _DynamoStep) -> Adapter:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    by_source = {}
+    for n in placeholders:
+        ga = n.meta.get("grapharg")
+        if ga is not None:
+            name = ga.source.name
+            by_source[name() if callable(name) else name] = n.name
+    outputs = list(gm.graph.output_node().args[0]) if hasattr(gm.graph, "output_node") else \
+        list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    regions = []
+    for r in adapter.regions:
+        src = _source_name(r.input)
+        if src not in by_source:
+            log.warning("region %s: no graph input has source %s; left out", r.name, src)
+            continue
+        want = [None if i == r.dim else adapter.dim_size(d, r) for i, d in enumerate(r.shape)]
+        hits = [i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)
+                and _matches(o.meta.get("example_value"), want, r.dim)]
+        if len(hits) != 1:
+            log.warning("region %s: %d graph results match its declared shape; left out",
+                        r.name, len(hits))
+            continue
+        regions.append(dataclasses.replace(r, input=by_source[src], output=str(hits[0])))
+    if not regions:
+        raise ContractError(f"adapter {adapter.name!r}: none of its regions maps onto this dynamo "
+                            "graph's inputs and outputs; check the region input paths")
+    call_input = adapter.call_input
+    if call_input is not None:
+        call_input = by_source.get(_source_name(call_input))
+    return dataclasses.replace(adapter, regions=tuple(regions), call_input=call_input,
+                               call_frames=adapter.call_frames if call_input else ())
+
+
+def _matches(v, want, dim) -> bool:
+    if not isinstance(v, torch.Tensor) or v.dim() != len(want):
+        return False
+    return all(w is None or w == s for w, s in zip(want, v.shape))
+
+
+def cadence_backend(gm: torch.fx.GraphModule, example_inputs, *, options: Optional[Dict] = None,
+                    **_):
+    """The torch.compile backend. ``options``: ``adapter`` (an Adapter or a registered name) plus
+    any keyword of ``cadence_fx.compile`` (``verify``, ``strict``, ``graphs``, ...)."""
+    from .runtime import compile as cadence_compile
+    options = dict(options or {})
+    adapter = options.pop("adapter", None)
+    if adapter is None:
+        raise ContractError('backend "cadence" needs options={"adapter": ...}: the adapter '
+                            "declaring the model's clocks and regions")
+    if any(isinstance(s, torch.SymInt) for t in example_inputs if isinstance(t, torch.Tensor)
+           for s in t.shape):
+        raise ContractError('backend "cadence" compiles exact shapes; call torch.compile(..., '
+                            "dynamic=False)")
+    if isinstance(adapter, str):
+        from cadence_fx import adapters
+        adapter = adapters.get(adapter)
+    step = _DynamoStep(gm, example_inputs)
+    # Dynamo compiles one graph per shape; all graphs of one model and adapter share the carries,
+    # so the stream's state keeps one address across catalog classes.
+    weights = tuple(sorted(p.data_ptr() for p in step.parameters()))
+    carries = _SHARED_CARRIES.setdefault((id(adapter), adapter.name, weights), {})
+    compiled = cadence_compile(step, _map_adapter(adapter, gm, step), carries=carries, **options)
+    names = step.order
+
+    def run(*args):
+        return compiled(**{n: a for n, a in zip(names, args) if n in step.args})
+
+    run.cadence = compiled  # for inspection: torch.compile hides the backend's object otherwise
+    return run

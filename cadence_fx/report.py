@@ -1,0 +1,128 @@
+"""What a compiled step shows: its catalog, memory before/after, counters, and per class the
+rewritten graph with carry writes and partitions marked. ``str(report)`` for a terminal,
+``_repr_html_`` for a notebook."""
+from __future__ import annotations
+
+import html
+from typing import Dict, List
+
+import torch
+
+from .fx_utils import aten, view_chain
+
+__all__ = ["Report"]
+
+MAX_GRAPH_LINES = 400
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+class Report:
+    def __init__(self, compiled):
+        self.c = compiled
+
+    # -- data -----------------------------------------------------------------------------
+    def memory(self) -> Dict[str, int]:
+        c = self.c
+        carry = sum(x.tensor.numel() * x.tensor.element_size() for x in c.carries.values())
+        private = sum(t.numel() * t.element_size() for t in c._private.values())
+        stock = sum(r.stock_bytes or r.declared_bytes or 0 for r in c.catalog.regions
+                    if r.name in c.carries)
+        return {"stock_envelope_bytes": stock, "carry_bytes": carry, "private_buffer_bytes": private}
+
+    def classes(self) -> List[dict]:
+        rows = []
+        for key, e in self.c.classes.items():
+            extents, width = key[0]
+            rows.append({"extents": list(extents), "width": width,
+                         "traced_nodes": len(e.traced.gm.graph.nodes),
+                         "trace_seconds": round(e.traced.seconds, 3),
+                         "rewrites": e.records["rewrites"], "near_misses": e.records["near_misses"],
+                         "constants": e.records["constants"],
+                         "pieces": [{k: p[k] for k in ("name", "kind", "nodes", "reasons")}
+                                    for p in e.records["pieces"]],
+                         "passes": e.records["passes"]})
+        return rows
+
+    def as_dict(self) -> dict:
+        return {"adapter": self.c.adapter.name, "catalog": self.c.catalog.as_dict(),
+                "memory": self.memory(), "counters": self.c.counters.as_dict(),
+                "audited": dict(self.c.auditor.comparisons), "classes": self.classes()}
+
+    def graph_lines(self, index: int = 0, limit: int = MAX_GRAPH_LINES) -> List[str]:
+        """The rewritten (unsplit) graph of one class, a line per node, marked
+        ``[piece_i graph|eager]`` and ``<- carry write`` where a node writes a carry."""
+        entry = list(self.c.classes.values())[index]
+        gm = entry.records.get("graph")
+        if gm is None:
+            return [line for line in entry.gm.code.splitlines() if line.strip()][:limit]
+        piece_of = entry.records.get("piece_of", {})
+        kinds = {i: p["kind"] for i, p in enumerate(entry.records["pieces"])}
+        carries = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("carry_")}
+        lines = []
+        for n in gm.graph.nodes:
+            mark = ""
+            if n.name in piece_of:
+                mark = f"[piece_{piece_of[n.name]} {kinds.get(piece_of[n.name], '?')}] "
+            write = (n.op == "call_function" and n.target is aten.copy_.default
+                     and view_chain(n.args[0])[0] in carries)
+            lines.append(f"{mark}{n.format_node()}{'   <- carry write' if write else ''}")
+        if len(lines) > limit:
+            head = limit // 2
+            writes = [l for l in lines[head:-head] if l.endswith("<- carry write")]
+            lines = lines[:head] + [f"... {len(lines) - 2 * head} nodes ..."] + writes + lines[-head:]
+        return lines
+
+    # -- text -----------------------------------------------------------------------------
+    def __str__(self) -> str:
+        d = self.as_dict()
+        cat = d["catalog"]
+        out = [f"cadence_fx report: adapter {d['adapter']!r}, catalog {cat['catalog_size']} classes, "
+               f"{len(d['classes'])} compiled", "", "catalog:"]
+        for r in cat["regions"]:
+            out.append(f"  {r['name']:<24} extents {r['extents']}  K={r['K']} "
+                       f"{'admissible' if r['admissible'] else 'NOT admissible'}  "
+                       f"stock {_mib(r['stock_bytes'])} -> declared {_mib(r['declared_bytes'])}")
+        m = d["memory"]
+        out += ["", f"memory: stock envelopes {_mib(m['stock_envelope_bytes'])}, carries "
+                f"{_mib(m['carry_bytes'])}, private buffers {_mib(m['private_buffer_bytes'])}",
+                "counters: " + ", ".join(f"{k}={v}" for k, v in d["counters"].items() if k != "reasons")]
+        for reason, n in d["counters"]["reasons"].items():
+            out.append(f"  fallback x{n}: {reason}")
+        for cls in d["classes"]:
+            out += ["", f"class extents={cls['extents']} width={cls['width']}: "
+                    f"{cls['traced_nodes']} nodes traced in {cls['trace_seconds']}s"]
+            out += [f"  {w['kind']:<11} {w['region']}: {w['detail']}" for w in cls["rewrites"]]
+            out += [f"  near-miss   {w['region']}: {w['detail']}" for w in cls["near_misses"]]
+            out += [f"  constant    {k['name']} {k['shape']} {k['dtype']} on {k['device']}"
+                    f"{' (was a host-to-device copy)' if k['host_to_device'] else ''}"
+                    for k in cls["constants"]]
+            out += [f"  {p['name']:<11} {p['kind']:<5} {p['nodes']} nodes"
+                    f"{'  eager: ' + '; '.join(p['reasons']) if p['reasons'] else ''}"
+                    for p in cls["pieces"]]
+        return "\n".join(out)
+
+    # -- notebook -------------------------------------------------------------------------
+    def _repr_html_(self) -> str:
+        d = self.as_dict()
+        e = html.escape
+        rows = "".join(
+            f"<tr><td>{e(r['name'])}</td><td>{r['extents']}</td><td>{r['K']}</td>"
+            f"<td>{'yes' if r['admissible'] else '<b>no</b>'}</td><td>{_mib(r['stock_bytes'])}</td>"
+            f"<td>{_mib(r['declared_bytes'])}</td></tr>" for r in d["catalog"]["regions"])
+        parts = [f"<h4>cadence_fx: {e(d['adapter'])}</h4>",
+                 "<table><tr><th>region</th><th>extents</th><th>K</th><th>admissible</th>"
+                 f"<th>stock</th><th>declared</th></tr>{rows}</table>",
+                 "<pre>" + e(str(self)) + "</pre>"]
+        for i in range(len(d["classes"])):
+            lines = self.graph_lines(i)
+            body = "\n".join(
+                f"<span style='background:#ffe08a'>{e(l)}</span>" if l.endswith("<- carry write")
+                else f"<span style='color:#a33'>{e(l)}</span>" if " eager] " in l else e(l)
+                for l in lines)
+            cls = d["classes"][i]
+            parts.append(f"<details><summary>graph of class extents={cls['extents']} "
+                         f"width={cls['width']}</summary><pre>{body}</pre></details>")
+        return "\n".join(parts)
