@@ -59,6 +59,7 @@ class PassContext:
     auditor: Any = None
     backend: Any = None
     counters: Any = None
+    strict: bool = False
     records: Dict[str, list] = dataclasses.field(default_factory=lambda: {
         "rewrites": [], "near_misses": [], "constants": [], "pieces": [], "passes": []})
 

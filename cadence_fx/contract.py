@@ -103,6 +103,8 @@ class Adapter:
     arguments. ``admission`` names the clock bounding a partial flush: ``frames <= clocks[admission]``.
     ``constants`` names the device-resident constants the step is expected to contain.
     ``width_limit`` is the largest catalog width K a region may have (Criterion 3.5).
+    ``recapture_on_drift``: after a fixed-address input moves, capture the class again at the new
+    addresses on its next call (else it stays eager).
     """
     name: str
     clocks: Mapping[str, int]
@@ -114,6 +116,7 @@ class Adapter:
     constants: Tuple[str, ...] = ()
     effects: Effects = Effects()
     width_limit: int = 64
+    recapture_on_drift: bool = True
     description: str = ""
 
     def __post_init__(self):

@@ -13,6 +13,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .counters import Counters
+from .errors import GuardError
 
 __all__ = ["EagerBackend", "GuardedPiece"]
 
@@ -23,24 +24,35 @@ class EagerBackend:
     """No device graphs: every capturable piece runs eagerly behind its guard."""
     name = "eager"
 
-    def lower(self, piece: "GuardedPiece") -> Optional[Callable]:
-        return None
+    def lower(self, piece: "GuardedPiece", args) -> Tuple[Optional[Callable], Optional[str]]:
+        return None, None
 
 
 class GuardedPiece(torch.nn.Module):
+    """One piece of a class's graph: replayed when the backend captured it and the guard holds,
+    eager otherwise -- by construction, on a guard miss, or after a failed capture."""
+
     def __init__(self, module: torch.fx.GraphModule, name: str, kind: str, reasons: Sequence[str],
-                 fixed: Sequence[bool], backend, counters: Counters):
+                 fixed: Sequence[Optional[str]], mutated: Sequence[bool], escaping: Sequence[bool],
+                 backend, counters: Counters, strict: bool = False, recapture: bool = True):
         super().__init__()
         self.module = module
         self.piece_name = name
         self.kind = kind                  # "graph" (capturable) or "eager"
         self.reasons = list(reasons)
-        self.fixed = list(fixed)          # per input: contract-owned, fixed address (aliased)
+        self.fixed_names = list(fixed)    # per input: the contract-owned storage it is, or None
+        self.fixed = [f is not None for f in fixed]
+        self.mutated = list(mutated)      # per input: the piece writes it
+        self.escaping = list(escaping)    # per output: it leaves the step
         self.backend = backend
         self.counters = counters
+        self.strict = strict
+        self.recapture = recapture
         self.signature: Optional[Tuple] = None
         self.addresses: Optional[Tuple] = None
         self.replay: Optional[Callable] = None
+        self.eager_reason: Optional[str] = None
+        self.staging_bytes = 0
 
     def forward(self, *args):
         if self.kind == "eager":
@@ -49,25 +61,43 @@ class GuardedPiece(torch.nn.Module):
         if self.signature is None:
             self.signature = _signature(args)
             self.addresses = _addresses(args, self.fixed)
-            self.replay = self.backend.lower(self)
+            self.replay, self.eager_reason = self.backend.lower(self, args)
+            if self.eager_reason:
+                log.warning("%s stays eager: %s", self.piece_name, self.eager_reason)
         if self.replay is None:
+            if self.eager_reason:
+                return self._fallback(self.eager_reason, args)
             self.counters.guarded_eager += 1
             return self.module(*args)
         reason = self.guard(args)
         if reason is not None:
-            self.counters.fallback(f"{self.piece_name}: {reason}")
-            return self.module(*args)
+            return self._fallback(reason, args)
         self.counters.replays += 1
         return self.replay(args)
 
     def guard(self, args) -> Optional[str]:
         """Why this call may not replay, or None. Plain comparisons against the recording."""
-        sig = _signature(args)
-        if sig != self.signature:
+        if _signature(args) != self.signature:
             return "signature differs from the captured one"
-        if _addresses(args, self.fixed) != self.addresses:
-            return "a fixed-address input moved"
+        now = _addresses(args, self.fixed)
+        if now != self.addresses:
+            moved = [n for n, a, b in zip([n for n in self.fixed_names if n], now, self.addresses)
+                     if a != b]
+            self.counters.invalidations += 1
+            log.warning("%s invalidated: fixed-address input(s) %s moved", self.piece_name, moved)
+            self.replay = None
+            if self.recapture:  # capture again at the next call, at the new addresses
+                self.signature = None
+            else:
+                self.eager_reason = f"fixed-address input(s) {moved} moved; re-capture is off"
+            return f"fixed-address input(s) {moved} moved (invalidated)"
         return None
+
+    def _fallback(self, reason: str, args):
+        if self.strict:
+            raise GuardError(f"strict mode: {self.piece_name}: {reason}")
+        self.counters.fallback(f"{self.piece_name}: {reason}")
+        return self.module(*args)
 
 
 def _signature(args) -> Tuple:

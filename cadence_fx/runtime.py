@@ -23,6 +23,7 @@ from .catalog import Catalog, build_catalog
 from .context import Carry, PassContext, RegionBinding
 from .contract import Adapter
 from .counters import Counters
+from .effects import RngSnapshot, TensorSnapshot
 from .errors import ContractError, GuardError
 from .fx_utils import is_mutating, mutated_arg, view_chain
 from .pipeline import Options, build_pipeline, run_pipeline
@@ -45,7 +46,6 @@ class ClassEntry:
     out_regions: Dict[str, int]      # region -> graph output index of its new state
     writes: int
     retentions: int
-    addresses: Tuple[int, ...]       # fixed-address inputs at compile time
 
 
 class CompiledStep:
@@ -54,7 +54,8 @@ class CompiledStep:
     def __init__(self, step: Callable, adapter: Adapter, module: torch.nn.Module, *,
                  verify: bool = False, strict: bool = False, options: Options = Options(),
                  backend=None, tracing_mode: str = "fake",
-                 carries: Optional[Dict[str, Carry]] = None):
+                 carries: Optional[Dict[str, Carry]] = None, graphs: bool = True,
+                 copy_outputs: bool = True):
         self.step = step
         self.adapter = adapter.validate()
         self.catalog: Catalog = build_catalog(adapter)
@@ -62,13 +63,16 @@ class CompiledStep:
         self.verify = verify
         self.strict = strict
         self.options = options
-        self.backend = backend or EagerBackend()
+        self.backend = backend            # chosen at the first class when None
+        self.graphs = graphs
+        self.copy_outputs = copy_outputs
         self.tracing_mode = tracing_mode
         self.counters = Counters()
         self.auditor = Auditor()
         self.carries: Dict[str, Carry] = {} if carries is None else carries  # may be shared
         self.classes: Dict[Tuple, ClassEntry] = {}
         self._private: Dict[str, torch.Tensor] = {}
+        self._rejected: Dict[Tuple, str] = {}   # classes that run the stock step, with the reason
         self._params = dict(module.named_parameters(remove_duplicate=False))
         self._buffers = dict(module.named_buffers(remove_duplicate=False))
         self._extents = {r.name: set(self.catalog.region(r.name).extents) for r in adapter.regions}
@@ -80,27 +84,50 @@ class CompiledStep:
     def __call__(self, *args, **kwargs):
         self.counters.calls += 1
         self.auditor.call_index = self.counters.calls
+        entry, by_path, reason = self._select(args, kwargs)
+        if entry is None:
+            return self._eager(reason, args, kwargs)
+        return self._run(entry, by_path)
+
+    def _select(self, args, kwargs):
+        """Admission, absorption into the carries, and the class entry (traced on first sight)."""
         named = bind_arguments(self._fn, args, kwargs)
         leaves, _ = leaves_with_paths(named)
         by_path = dict(leaves)
         reason = self._admission(by_path)
         if reason is not None:
-            return self._eager(reason, args, kwargs)
+            return None, by_path, reason
         if self.options.state_rule:
             for r in self.adapter.regions:
                 if r.input in by_path and r.fixed_address:
                     by_path[r.input] = self._absorb(r, by_path[r.input])
         named = _replace_leaves(named, by_path)
         key = self._signature(named)
+        if key in self._rejected:
+            return None, by_path, self._rejected[key]
         entry = self.classes.get(key)
-        if entry is not None and self._fixed_addresses(entry) != entry.addresses:
-            self.counters.invalidations += 1
-            log.warning("class %s invalidated: a fixed-address input moved; re-tracing", key[0])
-            del self.classes[key]
-            entry = None
         if entry is None:
             entry = self._compile_class(key, named)
-        return self._run(entry, by_path)
+            if entry is None:
+                return None, by_path, self._rejected[key]
+        return entry, by_path, None
+
+    def prepare(self, *args, **kwargs) -> bool:
+        """Trace and capture the class of this call before traffic arrives, leaving every carry,
+        buffer, argument and generator as it was. Returns whether the class is compiled."""
+        snapshot = TensorSnapshot([c.tensor for c in self.carries.values()]
+                                  + list(self._private.values()))
+        rng = RngSnapshot()
+        entry, by_path, _ = self._select(args, kwargs)
+        if entry is not None:
+            written = TensorSnapshot([v for v in by_path.values() if isinstance(v, torch.Tensor)])
+            counters = dataclasses.replace(self.counters)
+            self._run(entry, by_path)
+            self.counters.__dict__.update(counters.__dict__)
+            written.restore()
+        snapshot.restore()
+        rng.restore()
+        return entry is not None
 
     def _admission(self, by_path) -> Optional[str]:
         extents = []
@@ -187,10 +214,6 @@ class CompiledStep:
             parts.append((path, tensor_signature(v) if isinstance(v, torch.Tensor) else repr(v)))
         return ((extents, width), tuple(parts), global_signature(), str(spec))
 
-    def _fixed_addresses(self, entry: ClassEntry) -> Tuple[int, ...]:
-        return tuple(self._input(spec, {}).data_ptr() for spec in entry.inputs
-                     if spec.kind in ("param", "carry"))
-
     def _input(self, spec: InputSpec, by_path):
         if spec.kind == "param":
             return self._params[spec.name]
@@ -227,6 +250,13 @@ class CompiledStep:
     def _compile_class(self, key, named) -> ClassEntry:
         traced = trace_step(self.module, self._fn, named, tracing_mode=self.tracing_mode)
         self.counters.traces += 1
+        reason = self._probe_effects(traced, named)
+        if reason is not None:
+            log.warning("class %s rejected: %s", key[0], reason)
+            self._rejected[key] = reason
+            return None
+        if self.backend is None:
+            self.backend = self._choose_backend(named)
         gm = traced.gm
         inputs = list(traced.inputs)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -241,7 +271,7 @@ class CompiledStep:
                 bindings.append(RegionBinding(r, ph, out_pos.get(r.output), self.carries[r.name]))
         ctx = PassContext(adapter=self.adapter, class_key=key[0], inputs=inputs, regions=bindings,
                           module_buffers=self._buffers, verify=self.verify, auditor=self.auditor,
-                          backend=self.backend, counters=self.counters)
+                          backend=self.backend, counters=self.counters, strict=self.strict)
         gm = run_pipeline(gm, ctx, self._pipeline)
         # Buffers the rewritten step still writes get a private copy: the user's module is never
         # written by the compiled path (envelopes replaced by carries are gone by now).
@@ -254,12 +284,38 @@ class CompiledStep:
         entry = ClassEntry(
             key=key, gm=gm, inputs=ctx.inputs, traced=traced, records=ctx.records,
             out_regions={b.region.name: b.out_index for b in bindings if b.out_index is not None},
-            writes=len(writes), retentions=sum(w["kind"] == "retention" for w in writes), addresses=())
-        entry.addresses = self._fixed_addresses(entry)
+            writes=len(writes), retentions=sum(w["kind"] == "retention" for w in writes))
         self.classes[key] = entry
         log.info("class %s compiled: %d nodes traced in %.2fs", key[0], len(traced.gm.graph.nodes),
                  traced.seconds)
         return entry
+
+    def _probe_effects(self, traced: TracedStep, named) -> Optional[str]:
+        """The probationary eager call (§3.4 (iii)): run the stock step once, watching every
+        generator, then put back generators and everything the step writes."""
+        placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
+        written = [self._buffers[s.name] for s in _mutated_buffers(placeholders, traced.inputs)]
+        leaves = dict(leaves_with_paths(named)[0])
+        written += [leaves[s.name] for s in _mutated_args(placeholders, traced.inputs)]
+        written += [c.tensor for c in self.carries.values()]
+        state, rng = TensorSnapshot(written), RngSnapshot()
+        try:
+            with torch.no_grad():
+                self._fn(**named)
+        finally:
+            effects = rng.effects()
+            state.restore()
+            rng.restore()
+        return effects.host_reason
+
+    def _choose_backend(self, named):
+        on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda
+                      for _, v in leaves_with_paths(named)[0])
+        on_cuda = on_cuda or any(p.is_cuda for p in self._params.values())
+        if self.graphs and on_cuda:
+            from .cudagraphs import CudaGraphBackend
+            return CudaGraphBackend(copy_outputs=self.copy_outputs)
+        return EagerBackend()
 
     # -- inspection -------------------------------------------------------------------------
     def report(self):
@@ -286,7 +342,7 @@ def _replace_leaves(named, by_path):
     return pytree.tree_unflatten([by_path.get(p, v) for p, v in leaves], spec)
 
 
-def _mutated_buffers(placeholders, inputs) -> List[InputSpec]:
+def _mutated_buffers(placeholders, inputs, kind: str = "buffer") -> List[InputSpec]:
     index = {n: s for n, s in zip(placeholders, inputs)}
     found = []
     for n in placeholders[0].graph.nodes:
@@ -294,16 +350,20 @@ def _mutated_buffers(placeholders, inputs) -> List[InputSpec]:
             target = mutated_arg(n)
             base = view_chain(target)[0] if target is not None else None
             spec = index.get(base)
-            if spec is not None and spec.kind == "buffer" and spec not in found:
+            if spec is not None and spec.kind == kind and spec not in found:
                 found.append(spec)
     return found
+
+
+def _mutated_args(placeholders, inputs) -> List[InputSpec]:
+    return _mutated_buffers(placeholders, inputs, kind="arg")
 
 
 def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str], *,
             module: Optional[torch.nn.Module] = None, verify: bool = False, strict: bool = False,
             graphs: Optional[bool] = None, state_rule: bool = True, constants: bool = True,
             backend=None, tracing_mode: str = "fake",
-            carries: Optional[Dict[str, Carry]] = None) -> CompiledStep:
+            carries: Optional[Dict[str, Carry]] = None, copy_outputs: bool = True) -> CompiledStep:
     """Compile a streaming step against an adapter.
 
     ``step`` is a module (its ``forward`` is the step) or a callable; a plain callable names the
@@ -311,7 +371,8 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
     ``verify`` turns on the shadow auditor; ``strict`` raises instead of falling back to eager;
     ``state_rule``/``constants`` switch passes off; ``graphs=False`` (or the environment variable
     ``CADENCE_FX_DISABLE_GRAPHS=1``) keeps every piece on the guarded eager path. ``carries``
-    shares the carry store of another compiled step of the same stream.
+    shares the carry store of another compiled step of the same stream. ``copy_outputs=False``
+    hands out replayed results in place (overwritten by the next replay) instead of cloning them.
     """
     if isinstance(adapter, str):
         from cadence_fx import adapters
@@ -324,8 +385,7 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
         raise TypeError("cannot tell which module holds the step's weights; pass module=")
     if graphs is None:
         graphs = os.environ.get("CADENCE_FX_DISABLE_GRAPHS", "0") in ("", "0")
-    if not graphs:
-        backend = EagerBackend()
     options = Options(constants=constants, state_rule=state_rule)
     return CompiledStep(step, adapter, module, verify=verify, strict=strict, options=options,
-                        backend=backend, tracing_mode=tracing_mode, carries=carries)
+                        backend=backend, tracing_mode=tracing_mode, carries=carries,
+                        graphs=graphs, copy_outputs=copy_outputs)

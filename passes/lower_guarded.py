@@ -13,10 +13,14 @@ checks their ``data_ptr``. This pass comes last: it is the only one that introdu
 """
 from __future__ import annotations
 
+import operator
+from typing import List
+
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
 from cadence_fx.context import PassContext
+from cadence_fx.fx_utils import is_mutating, mutated_arg, view_chain
 from cadence_fx.replay import EagerBackend, GuardedPiece
 
 __all__ = ["lower_guarded"]
@@ -26,19 +30,38 @@ FIXED_KINDS = ("carry", "param", "buffer")
 
 def lower_guarded(gm: GraphModule, ctx: PassContext) -> PassResult:
     placeholders = ctx.placeholders(gm)
-    fixed_nodes = {n for n, spec in zip(placeholders, ctx.inputs) if spec.kind in FIXED_KINDS}
+    fixed_nodes = {n: f"{spec.kind} {spec.name}" for n, spec in zip(placeholders, ctx.inputs)
+                   if spec.kind in FIXED_KINDS}
     pieces = {p["name"]: p for p in ctx.records["pieces"]}
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    leaving = set(output.all_input_nodes)
     backend = ctx.backend or EagerBackend()
     lowered = 0
     for node in gm.graph.nodes:
         if node.op != "call_module" or node.target not in pieces:
             continue
         info = pieces[node.target]
-        fixed = [a in fixed_nodes for a in node.args]
+        sub = getattr(gm, node.target)
+        fixed = [fixed_nodes.get(a) for a in node.args]
+        outs = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+        escaping = [any(u.target is operator.getitem and u.args[1] == k and u in leaving
+                        for u in node.users) for k in range(len(outs))]
         info["inputs"] = len(fixed)
-        info["aliased_inputs"] = sum(fixed)
-        guarded = GuardedPiece(getattr(gm, node.target), node.target, info["kind"], info["reasons"],
-                               fixed, backend, ctx.counters)
+        info["aliased_inputs"] = sum(f is not None for f in fixed)
+        guarded = GuardedPiece(sub, node.target, info["kind"], info["reasons"], fixed,
+                               _mutated_inputs(sub), escaping, backend, ctx.counters,
+                               strict=ctx.strict, recapture=ctx.adapter.recapture_on_drift)
         setattr(gm, node.target, guarded)
         lowered += 1
     return PassResult(gm, lowered > 0)
+
+
+def _mutated_inputs(sub: GraphModule) -> List[bool]:
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    written = set()
+    for n in sub.graph.nodes:
+        if is_mutating(n):
+            target = mutated_arg(n)
+            if target is not None:
+                written.add(view_chain(target)[0])
+    return [p in written for p in placeholders]

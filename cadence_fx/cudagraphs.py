@@ -1,0 +1,107 @@
+"""ExactShapeReplay (paper §3.4): one CUDA graph per capturable piece, at its exact signature.
+
+States of a piece: not lowered -> (warm-up + probe, capture) -> replaying, or eager with a reason.
+
+* Warm-up runs the piece once eagerly on a side stream (library handles, autotuning), with every
+  generator watched: host randomness rejects the piece for good; device randomness is admitted.
+  Then the generators and every input the piece writes are put back, so the warm-up is invisible.
+* Capture records the piece into a pool shared by all classes of one compiled step.
+* Aliasing: inputs marked fixed-address (carries, parameters, buffers) are read in place; every
+  other tensor input is copied into a static staging buffer before each replay.
+* Output lifetime: results that leave the step are cloned after replay unless they are views of a
+  fixed-address input (the carry), so a caller may hold a chunk's output while the next runs.
+  ``copy_outputs=False`` skips that (results are then overwritten by the next replay).
+* Failures (a host sync, an out-of-memory, an op not allowed under capture) leave the piece eager
+  with the reason; nothing the piece owns has been written when that happens.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from .effects import RngSnapshot, TensorSnapshot
+
+__all__ = ["CudaGraphBackend"]
+
+log = logging.getLogger(__name__)
+
+
+class CudaGraphBackend:
+    name = "cudagraphs"
+
+    def __init__(self, copy_outputs: bool = True):
+        self.copy_outputs = copy_outputs
+        self.pool = None
+        self.captured = 0
+        self.capture_seconds = 0.0
+        self.staging_bytes = 0
+
+    def lower(self, piece, args) -> Tuple[Optional[Callable], Optional[str]]:
+        if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+            return None, "no CUDA tensor among the piece's inputs"
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        written = [a for a, w in zip(args, piece.mutated) if w and isinstance(a, torch.Tensor)]
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        state, rng = TensorSnapshot(written), RngSnapshot()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.no_grad():
+                piece.module(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - the piece stays eager, with the reason
+            state.restore()
+            rng.restore()
+            return None, f"warm-up failed: {type(e).__name__}: {e}"
+        effects = rng.effects()
+        state.restore()
+        rng.restore()
+        if effects.host_reason:
+            return None, effects.host_reason
+        static = []
+        for a, fixed in zip(args, piece.fixed):
+            if isinstance(a, torch.Tensor) and not fixed:
+                s = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                s.copy_(a)
+                static.append(s)
+                piece.staging_bytes += s.untyped_storage().nbytes()
+            else:
+                static.append(a)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
+                outs = piece.module(*static)
+        except Exception as e:  # noqa: BLE001
+            torch.cuda.synchronize()
+            state.restore()
+            rng.restore()
+            return None, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}"
+        end.record()
+        torch.cuda.synchronize()
+        self.capture_seconds += start.elapsed_time(end) / 1e3
+        self.captured += 1
+        self.staging_bytes += piece.staging_bytes
+        fixed_storages = {a.untyped_storage().data_ptr() for a, f in zip(args, piece.fixed)
+                          if f and isinstance(a, torch.Tensor)}
+        clone = [self.copy_outputs and esc and isinstance(o, torch.Tensor)
+                 and o.untyped_storage().data_ptr() not in fixed_storages
+                 for o, esc in zip(outs, piece.escaping)]
+        staged = [i for i, (a, f) in enumerate(zip(args, piece.fixed))
+                  if isinstance(a, torch.Tensor) and not f]
+        log.debug("%s captured: %d staged inputs (%d bytes)", piece.piece_name, len(staged),
+                  piece.staging_bytes)
+
+        def replay(call_args) -> List:
+            for i in staged:
+                static[i].copy_(call_args[i])
+            graph.replay()
+            return tuple(o.clone() if c else o for o, c in zip(outs, clone))
+
+        replay.graph = graph
+        return replay, None
