@@ -10,6 +10,7 @@ the reason recorded (and raised in strict mode).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -117,16 +118,16 @@ class CompiledStep:
         buffer, argument and generator as it was. Returns whether the class is compiled."""
         snapshot = TensorSnapshot([c.tensor for c in self.carries.values()]
                                   + list(self._private.values()))
-        rng = RngSnapshot()
+        rng, counters = RngSnapshot(), copy.deepcopy(self.counters)
         entry, by_path, _ = self._select(args, kwargs)
         if entry is not None:
             written = TensorSnapshot([v for v in by_path.values() if isinstance(v, torch.Tensor)])
-            counters = dataclasses.replace(self.counters)
             self._run(entry, by_path)
-            self.counters.__dict__.update(counters.__dict__)
             written.restore()
         snapshot.restore()
         rng.restore()
+        for f in dataclasses.fields(counters):  # preparing is not traffic: counters stay put
+            setattr(self.counters, f.name, getattr(counters, f.name))
         return entry is not None
 
     def _admission(self, by_path) -> Optional[str]:
@@ -248,7 +249,11 @@ class CompiledStep:
 
     # -- compiling one class ----------------------------------------------------------------
     def _compile_class(self, key, named) -> ClassEntry:
-        traced = trace_step(self.module, self._fn, named, tracing_mode=self.tracing_mode)
+        rng = RngSnapshot()  # tracing runs the step's Python code: keep its draws invisible
+        try:
+            traced = trace_step(self.module, self._fn, named, tracing_mode=self.tracing_mode)
+        finally:
+            rng.restore()
         self.counters.traces += 1
         reason = self._probe_effects(traced, named)
         if reason is not None:

@@ -6,6 +6,8 @@
   ``torch.cat`` of two slices.
 * ``RingToy`` -- Moshi-style: a ring KV cache of fixed capacity written in place at
   ``(offset + t) % capacity`` by ``index_copy_``.
+* ``NoisySourceToy`` -- HiFT-style: device randomness drawn on every call.
+* ``HostRandomToy`` -- draws Python ``random``: host randomness, rejected.
 * ``ConvLeftContextToy`` -- Freeze-Omni-style: a causal conv whose left context is the tail of
   ``cat([cache, x])``, plus attention over one chunk of left context (extents {0, chunk}).
 
@@ -18,10 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cadence_fx.contract import APPEND, PREPEND, Adapter, PromptRetained, Region, Ring, SlidingWindow
+from cadence_fx.contract import (APPEND, PREPEND, Adapter, Effects, PromptRetained, Region, Ring,
+                                 SlidingWindow)
 
 __all__ = ["PromptRetainedToy", "RingToy", "ConvLeftContextToy", "PROMPT_RETAINED_ADAPTER",
-           "RING_ADAPTER", "CONV_ADAPTER", "TOY_CLOCKS"]
+           "RING_ADAPTER", "CONV_ADAPTER", "TOY_CLOCKS", "NoisySourceToy", "NOISY_ADAPTER",
+           "HostRandomToy"]
 
 TOY_CLOCKS = {"f_prompt": 24, "f_retained": 16, "f_chunk": 8, "f_call": 10, "layers": 2, "heads": 4,
               "kv_width": 32, "batch": 1, "stock_frames": 128}
@@ -148,3 +152,49 @@ CONV_ADAPTER = Adapter(
                     shape=("batch", "kv", None))),
     call_frames=("f_chunk",), call_input="x", call_dim=2, admission="f_chunk",
     description="Freeze-Omni-style toy: conv left context and one chunk of attention context")
+
+
+class NoisySourceToy(nn.Module):
+    """HiFT-style: a conv with a left-context cache and a harmonic source that draws device
+    randomness on every call (``torch.rand`` for the phase, ``randn_like`` twice for the noise)."""
+
+    def __init__(self, dim: int = 16, kernel: int = 3, harmonics: int = 4, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.context, self.harmonics = kernel - 1, harmonics
+        self.conv = nn.Conv1d(dim, dim, kernel)
+        self.f0 = nn.Linear(dim, 1)
+        for p in self.parameters():
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor):
+        """x: (1, dim, T); cache: (1, dim, kernel-1)."""
+        xc = torch.cat([cache, x], dim=2)
+        h = self.conv(xc)
+        f0 = torch.sigmoid(self.f0(h.transpose(1, 2))) * 0.1              # (1, T, 1)
+        mult = torch.arange(1, self.harmonics + 1, device=x.device, dtype=x.dtype)
+        phase = torch.rand(1, 1, self.harmonics, device=x.device)        # random initial phase
+        sines = torch.sin(torch.cumsum(f0 * mult, dim=1) * 2 * torch.pi + phase)
+        noise = 0.003 * torch.randn_like(sines) + 0.01 * torch.randn_like(sines)
+        return h + (sines + noise).sum(-1).unsqueeze(1), xc[:, :, -self.context:]
+
+
+NOISY_ADAPTER = Adapter(
+    name="toy-noisy-source", clocks={"context": 2, "f_chunk": 8, "dim": 16, "batch": 1},
+    regions=(Region(name="conv", input="cache", output="1", dim=2,
+                    retention=SlidingWindow("context", start="context"), advance="f_chunk",
+                    ordering=APPEND, shape=("batch", "dim", None)),),
+    call_frames=("f_chunk",), call_input="x", call_dim=2, admission="f_chunk",
+    effects=Effects(device_rng=True),
+    description="HiFT-style toy: device randomness on every call")
+
+
+class HostRandomToy(ConvLeftContextToy):
+    """Scales its output by a number drawn from Python's ``random``: host randomness, which a
+    trace would freeze into a constant."""
+
+    def forward(self, x, conv_cache, att_cache):
+        import random
+        y, conv_cache, att_cache = super().forward(x, conv_cache, att_cache)
+        return y * (1.0 + random.random()), conv_cache, att_cache

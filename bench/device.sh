@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything the GPU machine runs, in one call:  bash bench/device.sh  (writes under $OUT)
+# Needs the minicpmo wheel in .whl/ (pip wheel --no-deps minicpmo==0.1.2 -w .whl), carried along.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install --no-deps --no-build-isolation -e .
+{
+  echo "commit: ${CADENCE_COMMIT:-unknown}"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])"
+} > "$OUT/env.txt"
+cat "$OUT/env.txt"
+STEP=${1:-all}
+if [[ $STEP == all || $STEP == tests ]]; then
+  python3 -m pytest -m gpu tests/test_gpu.py -v -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt"
+fi
+if [[ $STEP == all || $STEP == demo ]]; then
+  cadence-fx demo --model toy --device cuda --json 2>&1 | tee "$OUT/demo-toy-cuda.json"
+fi
+if [[ $STEP == all || $STEP == bench ]]; then
+  python3 bench/replay.py --out "$OUT/bench-replay.json" ${BENCH_ARGS:-} 2>&1 | tail -80
+fi

@@ -1,0 +1,187 @@
+"""ExactShapeReplay on CUDA: replays, guards, aliasing, effects, output lifetime, failures.
+Skipped without CUDA; run on the device and committed under bench/results/."""
+import random
+
+import pytest
+import torch
+
+import cadence_fx
+from cadence_fx.errors import GuardError
+from cadence_fx.models.toy import (CONV_ADAPTER, NOISY_ADAPTER, PROMPT_RETAINED_ADAPTER,
+                                   HostRandomToy, NoisySourceToy, PromptRetainedToy)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+DEV = "cuda"
+WIDTHS = [8] * 7 + [10] + [8] * 5 + [10]     # 14 chunks: two turns, each ending in a 10-frame call
+RESET_AT = 8
+
+
+def _toy():
+    model = PromptRetainedToy().to(DEV)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        _, state = model(torch.randn(1, 24, 64, generator=g).to(DEV), None)
+    prompt_state = {k: v.clone() for k, v in state.items()}
+    xs = [torch.randn(1, w, 64, generator=g).to(DEV) for w in WIDTHS]
+    return model, prompt_state, xs
+
+
+def _stream(step, prompt_state, xs, hold=False):
+    outs, addresses, held, state = [], set(), [], prompt_state
+    for i, x in enumerate(xs):
+        if i == RESET_AT:
+            state = prompt_state
+        with torch.no_grad():
+            y, state = step(x, state)
+        if hold:  # keep the result object itself, as a caller streaming audio would
+            held.append((y, y.clone()))
+        addresses.add(state["att"].data_ptr())
+        outs.append((y.clone(), state["att"].clone()))
+    return outs, addresses, held
+
+
+def _equal(a, b):
+    return all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+def test_stream_replays_every_call_bit_exact():
+    model, prompt_state, xs = _toy()
+    stock, stock_addresses, _ = _stream(model, prompt_state, xs)
+    compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
+    ours, addresses, _ = _stream(compiled, prompt_state, xs)
+    assert _equal(stock, ours)
+    c = compiled.counters
+    assert c.fallbacks == 0 and c.invalidations == 0
+    assert c.replays == len(xs)                    # one capturable piece per class, every call
+    assert c.traces == 4                          # K = 3 extents x widths actually seen: (24,8) (32,8) (40,8) (40,10)
+    assert compiled.backend.captured == c.traces
+    assert len(addresses) == 1 and len(stock_addresses) > 1
+    again, _, _ = _stream(compiled, prompt_state, xs)   # steady state: all replays, no new captures
+    assert _equal(stock, again) and compiled.backend.captured == 4 and c.fallbacks == 0
+
+
+def test_carry_is_aliased_and_inputs_staged():
+    model, prompt_state, xs = _toy()
+    compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
+    _stream(compiled, prompt_state, xs[:3])
+    pieces = [p for e in compiled.classes.values() for p in e.records["pieces"]]
+    assert all(p["aliased_inputs"] >= 1 for p in pieces)   # carry and weights read in place
+    x_bytes = xs[0].numel() * xs[0].element_size()
+    assert compiled.backend.staging_bytes == 3 * x_bytes   # only the chunk input is staged, per class
+
+
+def test_pointer_drift_invalidates_and_recovers_bit_exact():
+    model, prompt_state, xs = _toy()
+    stock, _, _ = _stream(model, prompt_state, xs)
+    compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
+    outs, state = [], prompt_state
+    for i, x in enumerate(xs):
+        if i == RESET_AT:
+            state = prompt_state
+        if i == 5:  # the caller re-allocates a weight: same values, new address
+            model.inp.weight.data = model.inp.weight.data.clone()
+        with torch.no_grad():
+            y, state = compiled(x, state)
+        outs.append((y.clone(), state["att"].clone()))
+    assert _equal(stock, outs)
+    c = compiled.counters
+    # every class captured before the move and used after it is dropped once: (40,8) at call 5,
+    # (24,8) and (32,8) after the turn reset; each such call runs eager, later calls re-capture
+    assert c.invalidations == 3
+    assert any("moved (invalidated)" in r for r in c.reasons)
+    assert c.replays == len(xs) - 3
+
+
+def test_host_randomness_is_rejected():
+    model = HostRandomToy().to(DEV)
+    xs = [torch.randn(1, 32, 4, device=DEV) for _ in range(5)]
+
+    def run(step):
+        random.seed(3)
+        cc, ac, outs = torch.zeros(1, 32, 2, device=DEV), torch.zeros(1, 64, 0, device=DEV), []
+        for x in xs:
+            with torch.no_grad():
+                y, cc, ac = step(x, cc, ac)
+            outs.append(y.clone())
+        return outs
+
+    stock = run(model)
+    compiled = cadence_fx.compile(model, CONV_ADAPTER)
+    ours = run(compiled)
+    assert all(torch.equal(a, b) for a, b in zip(stock, ours))
+    assert compiled.counters.replays == 0
+    assert any("host randomness (python random)" in r for r in compiled.counters.reasons)
+
+
+def test_device_randomness_replays_bit_exact_over_ten_calls():
+    model = NoisySourceToy().to(DEV)
+    xs = [torch.randn(1, 16, 8, device=DEV) for _ in range(12)]
+
+    def run(step):
+        torch.cuda.manual_seed(1234)
+        cache, outs = torch.zeros(1, 16, 2, device=DEV), []
+        for x in xs:
+            with torch.no_grad():
+                y, cache = step(x, cache)
+            outs.append(y.clone())
+        outs.append(torch.rand(4, device=DEV))  # eager continues the same sequence afterwards
+        return outs
+
+    stock = run(model)
+    compiled = cadence_fx.compile(model, NOISY_ADAPTER)
+    ours = run(compiled)
+    assert all(torch.equal(a, b) for a, b in zip(stock, ours))
+    assert compiled.counters.replays >= 10 and compiled.counters.fallbacks == 0
+
+
+def test_held_outputs_survive_the_next_replay():
+    model, prompt_state, xs = _toy()
+    compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
+    _, _, held = _stream(compiled, prompt_state, xs, hold=True)
+    assert all(torch.equal(obj, copy) for obj, copy in held)
+    fast = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER, copy_outputs=False)
+    _, _, held = _stream(fast, prompt_state, xs, hold=True)
+    assert not all(torch.equal(obj, copy) for obj, copy in held)  # overwritten: documented cost
+
+
+def test_capture_failure_falls_back_with_the_reason(monkeypatch):
+    model, prompt_state, xs = _toy()
+    stock, _, _ = _stream(model, prompt_state, xs)
+
+    class Refuse(torch.cuda.graph):
+        def __enter__(self):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "graph", Refuse)
+    compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
+    ours, addresses, _ = _stream(compiled, prompt_state, xs)
+    assert _equal(stock, ours) and len(addresses) == 1
+    assert compiled.counters.replays == 0
+    assert any("capture failed" in r for r in compiled.counters.reasons)
+
+
+def test_off_switch_and_strict(monkeypatch):
+    model, prompt_state, xs = _toy()
+    monkeypatch.setenv("CADENCE_FX_DISABLE_GRAPHS", "1")
+    off = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
+    _stream(off, prompt_state, xs[:4])
+    assert off.counters.replays == 0 and off.counters.guarded_eager == 4
+    monkeypatch.delenv("CADENCE_FX_DISABLE_GRAPHS")
+    strict = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER, strict=True)
+    with pytest.raises(GuardError, match="extent 30 is not in the catalog"):
+        with torch.no_grad():
+            strict(xs[0], {"att": torch.zeros(2, 1, 4, 30, 32, device=DEV)})
+
+
+def test_prepare_captures_before_traffic_without_touching_state():
+    model, prompt_state, xs = _toy()
+    stock, _, _ = _stream(model, prompt_state, xs)
+    compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
+    before = {k: v.clone() for k, v in prompt_state.items()}
+    assert compiled.prepare(xs[0], prompt_state)
+    assert compiled.backend.captured == 1 and compiled.counters.replays == 0
+    assert all(torch.equal(prompt_state[k], before[k]) for k in before)
+    ours, _, _ = _stream(compiled, prompt_state, xs)
+    assert _equal(stock, ours)

@@ -1,0 +1,332 @@
+"""Whole streams of the three toy models, compiled against stock eager, call by call.
+
+Every output and every state tensor is compared with ``torch.equal`` at every call (bit-exactness is
+the product). Streams cross turn resets (the caller hands back the prompt/initial state) and end a
+turn with a partial chunk where the adapter admits one; widths it does not admit fall back to the
+stock step with a recorded reason. Counters are asserted exactly where the stream determines them.
+
+Stock and compiled run on two modules built with the same seed: the prompt-retained toy writes its
+module buffer (the stock envelope) in place, so a shared module would let one side see the other's
+writes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, List, Sequence, Tuple
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import cadence_fx
+from cadence_fx.models.toy import (CONV_ADAPTER, PROMPT_RETAINED_ADAPTER, RING_ADAPTER,
+                                   ConvLeftContextToy, PromptRetainedToy, RingToy)
+
+
+# -- the three toys, as stream drivers ------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Toy:
+    name: str
+    make: Callable[[], torch.nn.Module]        # a seeded module; two calls give identical weights
+    adapter: cadence_fx.Adapter
+    f_chunk: int                               # steady call width
+    admitted: Tuple[int, ...]                  # widths the adapter admits (for a turn's last call)
+    rejected: Tuple[int, ...]                  # widths it does not admit
+    x_shape: Callable[[int], Tuple[int, ...]]  # call input of width w
+    initial: Callable[[], tuple]               # the state a turn starts from (after x)
+    advance: Callable[[tuple, int], tuple]     # catalog extents after an admitted call of width w
+    start: tuple                               # catalog extents at a turn start
+    retains: Callable[[tuple, int], bool]      # does a call at these extents of width w fire retention
+
+    def call(self, step, x, state):
+        """One call: (every tensor to compare, the state to hand back, the region state tensors)."""
+        out = step(x, *state)
+        if self.name == "prompt":
+            y, cache = out
+            return (y, cache["att"]), (cache,), (cache["att"],)
+        if self.name == "ring":
+            y, kv, offset = out
+            return (y, kv, offset), (kv, offset), (kv,)
+        y, conv, att = out
+        return (y, conv, att), (conv, att), (conv, att)
+
+
+@functools.lru_cache(maxsize=None)
+def _prompt_state():
+    """The prompt state a turn reset restores: the priming pass of a separate module, cloned."""
+    with torch.no_grad():
+        _, cache = PromptRetainedToy()(torch.randn(1, 24, 64, generator=torch.Generator().manual_seed(7)))
+    return {"att": cache["att"].clone()}
+
+
+_P, _R = 24, 16  # the prompt-retained toy's prompt and retained frames
+
+TOYS = {
+    "prompt": Toy(
+        name="prompt", make=PromptRetainedToy, adapter=PROMPT_RETAINED_ADAPTER, f_chunk=8,
+        admitted=tuple(range(1, 9)) + (10,), rejected=(9, 11, 13),
+        x_shape=lambda w: (1, w, 64), initial=lambda: (_prompt_state(),),
+        advance=lambda e, w: (min(e[0] + w, _P + _R),), start=(_P,),
+        retains=lambda e, w: e[0] + w > _P + _R),
+    "ring": Toy(
+        name="ring", make=RingToy, adapter=RING_ADAPTER, f_chunk=1, admitted=(1,), rejected=(2, 3),
+        x_shape=lambda w: (1, w, 32),
+        initial=lambda: (torch.zeros(2, 1, 2, 16, 16), torch.zeros(1, dtype=torch.long)),
+        advance=lambda e, w: (16,), start=(16,), retains=lambda e, w: False),
+    "conv": Toy(
+        name="conv", make=ConvLeftContextToy, adapter=CONV_ADAPTER, f_chunk=4,
+        admitted=(1, 2, 3, 4), rejected=(5, 6),
+        x_shape=lambda w: (1, 32, w), initial=lambda: (torch.zeros(1, 32, 2), torch.zeros(1, 64, 0)),
+        advance=lambda e, w: (2, min(e[1] + w, 4)), start=(2, 0), retains=lambda e, w: False),
+}
+
+
+@dataclasses.dataclass
+class StreamLog:
+    calls: int = 0
+    admitted: int = 0
+    fallbacks: int = 0
+    turn_absorptions: int = 0          # turn starts whose first call is admitted
+    retentions: int = 0                # admitted calls where retention fires
+    classes: List[tuple] = dataclasses.field(default_factory=list)  # (extents, width), in order
+    compiled_ptrs: List[set] = dataclasses.field(default_factory=list)  # per region
+    stock_ptrs: List[set] = dataclasses.field(default_factory=list)
+    rejected_widths: List[int] = dataclasses.field(default_factory=list)
+
+
+def _run_lockstep(toy: Toy, compiled, stock: torch.nn.Module, turns: Sequence[Sequence[int]],
+                  seed: int) -> StreamLog:
+    """Run ``turns`` (each a list of call widths, starting with a turn reset) through both steps,
+    asserting every tensor equal at every call. Returns what the stream did."""
+    g = torch.Generator().manual_seed(seed)
+    log = StreamLog()
+    for turn in turns:
+        ref_state, got_state, extents = toy.initial(), toy.initial(), toy.start
+        for k, w in enumerate(turn):
+            x = torch.randn(toy.x_shape(w), generator=g)
+            with torch.no_grad():
+                want, ref_state, ref_regions = toy.call(stock, x, ref_state)
+                got, got_state, got_regions = toy.call(compiled, x, got_state)
+            log.calls += 1
+            where = f"{toy.name} call {log.calls} (width {w}, extents {extents})"
+            assert len(got) == len(want), where
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert a.shape == b.shape and a.dtype == b.dtype, f"{where}: output {i}"
+                assert torch.equal(a, b), f"{where}: output {i} differs from stock"
+            if w in toy.admitted:
+                log.admitted += 1
+                log.turn_absorptions += k == 0
+                log.retentions += toy.retains(extents, w)
+                log.classes.append((extents, w))
+                log.compiled_ptrs = log.compiled_ptrs or [set() for _ in got_regions]
+                log.stock_ptrs = log.stock_ptrs or [set() for _ in ref_regions]
+                for ptrs, t in zip(log.compiled_ptrs, got_regions):
+                    ptrs.add(t.data_ptr())
+                for ptrs, t in zip(log.stock_ptrs, ref_regions):
+                    ptrs.add(t.data_ptr())
+                extents = toy.advance(extents, w)
+            else:
+                log.fallbacks += 1
+                log.rejected_widths.append(w)
+    return log
+
+
+# -- deterministic streams --------------------------------------------------------------------------
+
+STREAMS = {
+    # 14 calls: a turn ending on the f_call width (10), a reset, a turn ending on a partial chunk.
+    "prompt": [[8] * 7 + [10], [8] * 5 + [5]],
+    # 20 calls, wrapping the 16-slot ring; the adapter admits only single frames.
+    "ring": [[1] * 12, [1] * 8],
+    # 19 calls, each turn ending on a partial chunk.
+    "conv": [[4] * 10 + [3], [4] * 6 + [2]],
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOYS))
+def test_stream_bit_exact_with_exact_counters(name):
+    toy = TOYS[name]
+    c = cadence_fx.compile(toy.make(), toy.adapter, verify=True)
+    log = _run_lockstep(toy, c, toy.make(), STREAMS[name], seed=1)
+    n_regions = len(toy.adapter.regions)
+    k = c.counters
+    assert log.calls >= 12 and log.fallbacks == 0
+    assert (k.calls, k.compiled_calls, k.fallbacks, dict(k.reasons)) == (log.calls, log.calls, 0, {})
+    assert k.traces == len(set(log.classes)) == len(c.classes)
+    assert k.absorptions == len(STREAMS[name]) * n_regions     # one copy-in per region per turn start
+    assert k.retentions == log.retentions
+    assert (k.invalidations, k.replays) == (0, 0)              # CPU: no device graphs to replay
+    assert k.carry_addresses == 1
+    assert all(len(p) == 1 for p in log.compiled_ptrs)         # one address for the whole stream
+    assert set(k.addresses) == {r.name for r in toy.adapter.regions}
+    # verify mode: each carry write was compared once with its stock value, and all matched
+    assert k.applications == sum(c.auditor.comparisons.values())
+
+
+def test_prompt_stream_retention_count_and_classes():
+    toy = TOYS["prompt"]
+    c = cadence_fx.compile(toy.make(), toy.adapter, verify=True)
+    log = _run_lockstep(toy, c, toy.make(), STREAMS["prompt"], seed=2)
+    # turn 1: extents 24, 32, then 40 for six calls; turn 2: 24, 32, then 40 for four calls
+    assert log.retentions == c.counters.retentions == 10
+    assert sorted(set(log.classes)) == [((24,), 8), ((32,), 8), ((40,), 5), ((40,), 8), ((40,), 10)]
+    assert c.counters.traces == 5
+    assert c.counters.applications == 10 and c.auditor.comparisons["att"] == 10
+    kinds = {_class_of(entry, toy.adapter): [r["kind"] for r in entry.records["rewrites"]]
+             for entry in c.classes.values()}
+    assert kinds[((24,), 8)] == ["envelope", "in_place"]
+    assert kinds[((40,), 8)] == ["envelope", "retention"]
+    assert all(not entry.records["near_misses"] for entry in c.classes.values())
+
+
+def _class_of(entry, adapter) -> tuple:
+    """(extents, width) of a compiled class, read from the argument signatures in its key."""
+    parts = dict(entry.key[1])  # path -> (shape, stride, dtype, device, offset)
+    extents = tuple(parts[r.input][0][r.dim] for r in adapter.regions)
+    return extents, parts[adapter.call_input][0][adapter.call_dim]
+
+
+@pytest.mark.parametrize("name", ["prompt", "conv"])
+def test_stock_state_moves_while_compiled_state_stays(name):
+    toy = TOYS[name]
+    c = cadence_fx.compile(toy.make(), toy.adapter)
+    log = _run_lockstep(toy, c, toy.make(), STREAMS[name], seed=3)
+    assert [len(p) for p in log.compiled_ptrs] == [1] * len(toy.adapter.regions)
+    assert max(len(p) for p in log.stock_ptrs) > 1
+    assert c.counters.carry_addresses == 1
+
+
+def test_prompt_state_is_copy_on_write():
+    toy = TOYS["prompt"]
+    prompt = _prompt_state()
+    pristine = prompt["att"].clone()
+    c = cadence_fx.compile(toy.make(), toy.adapter, verify=True)
+    _run_lockstep(toy, c, toy.make(), STREAMS["prompt"], seed=4)
+    assert torch.equal(prompt["att"], pristine)
+    carry = c.carries["att"].tensor
+    assert carry.untyped_storage().data_ptr() != prompt["att"].untyped_storage().data_ptr()
+
+
+def test_ring_initial_state_is_copy_on_write():
+    """Stock writes the ring in place; the compiled step copies the caller's tensor in once and
+    never writes it (the same ``kv0`` object restores every turn)."""
+    toy = TOYS["ring"]
+    kv0, off0 = torch.zeros(2, 1, 2, 16, 16), torch.zeros(1, dtype=torch.long)
+    c = cadence_fx.compile(toy.make(), toy.adapter, verify=True)
+    stock = toy.make()
+    g = torch.Generator().manual_seed(5)
+    for turn in STREAMS["ring"]:
+        state, ref = (kv0, off0), (kv0.clone(), off0.clone())
+        for _ in turn:
+            x = torch.randn(1, 1, 32, generator=g)
+            with torch.no_grad():
+                got, state, _ = toy.call(c, x, state)
+                want, ref, _ = toy.call(stock, x, ref)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not kv0.any() and not off0.any()
+    assert c.counters.absorptions == 2
+
+
+def test_conv_partial_chunk_classes():
+    toy = TOYS["conv"]
+    c = cadence_fx.compile(toy.make(), toy.adapter, verify=True)
+    log = _run_lockstep(toy, c, toy.make(), STREAMS["conv"], seed=6)
+    assert sorted(set(log.classes)) == [((2, 0), 4), ((2, 4), 2), ((2, 4), 3), ((2, 4), 4)]
+    assert c.counters.traces == 4
+    # every call writes both regions once (the tail slice of a concatenation is materialized)
+    assert c.auditor.comparisons == {"conv": log.calls, "att": log.calls}
+
+
+def test_priming_pass_falls_back_with_reason():
+    """No input state yet: the prompt's priming pass is eager by construction, and says so."""
+    c = cadence_fx.compile(PromptRetainedToy(), PROMPT_RETAINED_ADAPTER)
+    x = torch.randn(1, 24, 64)
+    with torch.no_grad():
+        y, cache = c(x, None)
+        y_ref, cache_ref = PromptRetainedToy()(x, None)
+    assert torch.equal(y, y_ref) and torch.equal(cache["att"], cache_ref["att"])
+    assert c.counters.fallbacks == 1 and c.counters.compiled_calls == 0
+    (reason,) = c.counters.reasons
+    assert "region 'att' has no input state" in reason
+
+
+@pytest.mark.parametrize("name", sorted(TOYS))
+def test_rejected_width_falls_back_bit_exact(name):
+    toy = TOYS[name]
+    w = toy.rejected[0]
+    turns = [[toy.f_chunk] * 3 + [w], [toy.f_chunk] * 2]
+    c = cadence_fx.compile(toy.make(), toy.adapter, verify=True)
+    log = _run_lockstep(toy, c, toy.make(), turns, seed=8)
+    assert c.counters.fallbacks == log.fallbacks == 1
+    (reason,) = c.counters.reasons
+    assert f"call width {w} is neither a declared call width" in reason
+    assert c.counters.compiled_calls == log.calls - 1
+    assert c.counters.carry_addresses == 1
+
+
+# -- property tests over random schedules ---------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _shared(name):
+    """One compiled step (and one stock module) per toy, reused across examples: compiled steps keep
+    per-stream state only in their carries, and every example starts with a turn reset."""
+    toy = TOYS[name]
+    return cadence_fx.compile(toy.make(), toy.adapter, verify=True), toy.make(), set()
+
+
+@st.composite
+def schedules(draw, toy: Toy, max_turn: int):
+    """Turns of steady calls; a turn may end on a partial chunk, admitted or not."""
+    turns = []
+    for _ in range(draw(st.integers(1, 3))):
+        widths = [toy.f_chunk] * draw(st.integers(1, max_turn))
+        last = draw(st.one_of(st.none(), st.sampled_from(toy.admitted), st.sampled_from(toy.rejected)))
+        if last is not None:
+            widths[-1] = last
+        turns.append(widths)
+    return turns
+
+
+def _check_schedule(name, turns, seed):
+    toy = TOYS[name]
+    c, stock, seen = _shared(name)
+    before = dataclasses.replace(c.counters, reasons=c.counters.reasons.copy())
+    log = _run_lockstep(toy, c, stock, turns, seed=seed)
+    k = c.counters
+    new_classes = set(log.classes) - seen
+    seen.update(log.classes)
+    assert k.calls - before.calls == log.calls
+    assert k.compiled_calls - before.compiled_calls == log.admitted
+    assert k.fallbacks - before.fallbacks == log.fallbacks
+    for w in set(log.rejected_widths):
+        assert any(f"call width {w} is neither" in r for r in k.reasons)
+    assert k.absorptions - before.absorptions == log.turn_absorptions * len(toy.adapter.regions)
+    assert k.retentions - before.retentions == log.retentions
+    assert k.traces - before.traces == len(new_classes)
+    assert k.invalidations == 0 and k.replays == 0
+    assert k.carry_addresses == 1
+    assert [len(p) for p in log.compiled_ptrs] in ([], [1] * len(toy.adapter.regions))
+
+
+_PROPERTY = settings(max_examples=20, deadline=None, database=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+
+
+@_PROPERTY
+@given(turns=schedules(TOYS["prompt"], max_turn=7), seed=st.integers(0, 2**16))
+def test_prompt_random_schedules(turns, seed):
+    _check_schedule("prompt", turns, seed)
+
+
+@_PROPERTY
+@given(turns=schedules(TOYS["ring"], max_turn=20), seed=st.integers(0, 2**16))
+def test_ring_random_schedules(turns, seed):
+    _check_schedule("ring", turns, seed)
+
+
+@_PROPERTY
+@given(turns=schedules(TOYS["conv"], max_turn=6), seed=st.integers(0, 2**16))
+def test_conv_random_schedules(turns, seed):
+    _check_schedule("conv", turns, seed)
