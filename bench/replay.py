@@ -47,7 +47,8 @@ def stream(step, chunks, prompt_state, resets, call, autocast=False):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
         addresses.update(v.data_ptr() for v in state.values())
-        outs.append((out.clone(), {k: v.clone() for k, v in state.items()}))
+        # references live on the host, so the device peak is the step's own
+        outs.append((out.cpu(), {k: v.cpu() for k, v in state.items()}))
     return outs, times, addresses
 
 

@@ -46,6 +46,7 @@ class RegionBinding:
     out_index: Optional[int]         # position of the region's new state among the graph outputs
     carry: Carry
     carry_node: Optional[Node] = None  # placeholder through which the graph reaches the carry
+    storages: set = dataclasses.field(default_factory=set)  # fake storages that are the carry
 
 
 @dataclasses.dataclass

@@ -6,9 +6,10 @@ from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 from torch.fx import Graph, Node
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["aten", "VIEW_OPS", "is_mutating", "mutated_arg", "view_chain", "slice_bounds",
-           "val", "dead_code_elimination", "SIDE_EFFECTS"]
+           "val", "dead_code_elimination", "SIDE_EFFECTS", "storage_key", "returns_self"]
 
 aten = torch.ops.aten
 INT_MAX = 2 ** 63 - 1
@@ -48,24 +49,49 @@ def mutated_arg(node: Node) -> Optional[Node]:
     return None
 
 
+def returns_self(node: Node) -> bool:
+    """An in-place op whose result is its (written) first argument, like ``index_copy_``."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return bool(schema is not None and schema.is_mutable and schema.returns
+                and schema.returns[0].alias_info is not None
+                and schema.arguments and schema.arguments[0].alias_info is not None
+                and schema.arguments[0].alias_info.is_write)
+
+
 def view_chain(node: Node) -> Tuple[Node, List[Node]]:
-    """Follow view ops back to the base node: ``(base, [view nodes, base-most first])``."""
+    """Follow view ops (and in-place ops returning ``self``) back to the base node:
+    ``(base, [view nodes, base-most first])``."""
     chain = []
-    while isinstance(node, Node) and node.op == "call_function" and node.target in VIEW_OPS:
-        chain.append(node)
+    while isinstance(node, Node) and node.op == "call_function":
+        if node.target in VIEW_OPS:
+            chain.append(node)
+        elif not returns_self(node):
+            break
         node = node.args[0]
     return node, chain[::-1]
 
 
-def slice_bounds(node: Node, size: int) -> Tuple[int, int, int]:
-    """``(dim, start, stop)`` of an ``aten.slice`` normalized against ``size`` (step must be 1)."""
+def storage_key(node) -> Optional[object]:
+    """Identity of the (fake) storage a node's value lives in: aliasing survives every view op,
+    transposes and reshapes included, because fake tensors share storage as real ones do."""
+    v = val(node)
+    if v is None:
+        return None
+    try:
+        return StorageWeakRef(v.untyped_storage())
+    except (NotImplementedError, RuntimeError):  # pragma: no cover - tensors without storage
+        return None
+
+
+def slice_bounds(node: Node, size: int) -> Optional[Tuple[int, int, int]]:
+    """``(dim, start, stop)`` of an ``aten.slice`` normalized against ``size``; None if strided."""
     args = list(node.args) + [None] * (5 - len(node.args))
     _, dim, start, stop, step = args[:5]
     dim = node.kwargs.get("dim", dim if dim is not None else 0)
     start = 0 if start is None else start
     stop = INT_MAX if stop is None else stop
     if (step or 1) != 1:
-        raise ValueError("strided slice")
+        return None
     if start < 0:
         start += size
     if stop < 0:

@@ -379,6 +379,9 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
     shares the carry store of another compiled step of the same stream. ``copy_outputs=False``
     hands out replayed results in place (overwritten by the next replay) instead of cloning them.
     """
+    if tracing_mode not in ("fake", "real"):
+        raise ValueError(f"tracing_mode {tracing_mode!r}: cadence_fx traces exact shapes, one graph "
+                         "per catalog signature; use 'fake' (default) or 'real'")
     if isinstance(adapter, str):
         from cadence_fx import adapters
         adapter = adapters.get(adapter)

@@ -1,8 +1,11 @@
 """Tracing front end: one exact-shape aten-level FX graph per catalog signature, via make_fx.
 
-Why make_fx: it records the aten calls eager dispatch makes (after the same composite
-decompositions), so running the graph calls the same kernels as stock eager and the results are
-bit-identical. Python control flow on shapes (retention firing, cache present or not) is resolved
+Why make_fx with ``pre_dispatch=True``: it records the aten calls as eager code makes them, before
+composite ops (``aten.linear``, ``aten.scaled_dot_product_attention``, ``aten.layer_norm``) are
+decomposed, so running the graph goes through the very C++ implementations stock eager goes
+through -- same kernels, same bits. (A post-dispatch trace decomposes composites with the Python
+decompositions instead; on CUDA, ``linear`` on a transposed input then becomes ``expand + bmm``
+where eager calls ``mm``, and results drift by ~2e-6.) Python control flow on shapes (retention firing, cache present or not) is resolved
 at trace time, which is exactly what one graph per signature wants. Parameters and buffers are
 lifted to placeholders, so passes can see which buffer the step writes (an over-sized envelope)
 and substitute contract-owned storage for it without touching the user's module.
@@ -132,7 +135,8 @@ def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any]
     start = time.perf_counter()
     try:
         with torch.no_grad():
-            gm = make_fx(flat_step, tracing_mode=tracing_mode, _allow_non_fake_inputs=True)(*example)
+            gm = make_fx(flat_step, tracing_mode=tracing_mode, pre_dispatch=True,
+                         _allow_non_fake_inputs=True)(*example)
     except Exception as e:  # noqa: BLE001 - re-raised with the signature that failed
         shapes = {p: tuple(v.shape) for p, v in arg_tensors}
         raise TraceError(f"make_fx could not trace the step at argument shapes {shapes}: "

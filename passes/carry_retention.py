@@ -34,7 +34,8 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from cadence_fx.audit import check_carry_write
 from cadence_fx.context import PassContext, RegionBinding
-from cadence_fx.fx_utils import INT_MAX, aten, is_mutating, mutated_arg, slice_bounds, val, view_chain
+from cadence_fx.fx_utils import (aten, dead_code_elimination, is_mutating, mutated_arg, slice_bounds,
+                                 storage_key, val, view_chain)
 from cadence_fx.tracing import InputSpec
 
 __all__ = ["carry_retention"]
@@ -46,11 +47,13 @@ def carry_retention(gm: GraphModule, ctx: PassContext) -> PassResult:
     for b in ctx.regions:
         b.carry_node = ctx.add_placeholder(gm, f"carry_{b.region.name}", InputSpec("carry", b.region.name))
         b.carry_node.meta["val"] = _fake_mode(gm).from_tensor(b.carry.tensor)
+        b.storages = {storage_key(b.carry_node), storage_key(b.placeholder)} - {None}
         if b.placeholder is not None:
             _read_input_from_carry(gm, b)
         _replace_envelope(gm, ctx, b, outputs)
         if b.out_index is not None:
             modified |= _write_state(gm, ctx, b, outputs)
+    dead_code_elimination(gm.graph)  # the stock concats whose results now come from the carry
     ctx.drop_unused_placeholders(gm)
     return PassResult(gm, True if ctx.regions else modified)
 
@@ -101,9 +104,10 @@ def _carry_offset(node: Node, b: RegionBinding, frames: int) -> Optional[bool]:
     for v in chain:
         if v.target is not aten.slice.Tensor:
             return False
-        dim, start, stop = slice_bounds(v, shape[v.args[1]])
-        if start != 0:
+        bounds = slice_bounds(v, shape[v.args[1]])
+        if bounds is None or bounds[1] != 0:
             return False
+        dim, start, stop = bounds
         shape[dim] = stop
     want = list(b.carry.tensor.shape)
     want[b.region.dim] = frames
@@ -128,6 +132,7 @@ def _replace_envelope(gm: GraphModule, ctx: PassContext, b: RegionBinding, out: 
         ctx.note("near_miss", b.region.name, f"envelope {spec.name}: {reason}")
         return
     users = list(base.users)
+    b.storages.add(storage_key(base))
     base.replace_all_uses_with(b.carry_node)
     env = tuple(val(base).shape)
     if env != tuple(b.carry.tensor.shape):
@@ -156,7 +161,10 @@ def _envelope_fits(buf: Node, b: RegionBinding, real: Optional[torch.Tensor]) ->
         node, box, dims = stack.pop()
         for u in node.users:
             if u.op == "call_function" and u.target is aten.slice.Tensor and u.args[0] is node:
-                dim, start, stop = slice_bounds(u, box[dims[u.args[1]]][1] - box[dims[u.args[1]]][0])
+                bounds = slice_bounds(u, box[dims[u.args[1]]][1] - box[dims[u.args[1]]][0])
+                if bounds is None:
+                    return f"{u.name} takes a strided slice of it"
+                dim, start, stop = bounds
                 nb = list(box)
                 lo = box[dims[dim]][0]
                 nb[dims[dim]] = (lo + start, lo + stop)
@@ -230,10 +238,6 @@ def _write_state(gm: GraphModule, ctx: PassContext, b: RegionBinding, out: Node)
         ctx.note("near_miss", r.name, f"new state holds {frames} frames, beyond the declared "
                  f"extent {b.carry.extent}; check the retention clocks")
         return False
-    others = [o for i, o in enumerate(_out_values(out)) if i != b.out_index and isinstance(o, Node)]
-    if any(view_chain(o)[0] is b.carry_node for o in others):
-        ctx.note("near_miss", r.name, "another result of the step is a view of the region's carry")
-        return False
     at = _carry_offset(state, b, frames)
     if at:
         ctx.note("in_place", r.name, f"state is already C[:{frames}]")
@@ -243,6 +247,7 @@ def _write_state(gm: GraphModule, ctx: PassContext, b: RegionBinding, out: Node)
         ctx.note("near_miss", r.name, f"{late.name} writes the carry after the new state is formed")
         return False
     with gm.graph.inserting_before(out):
+        _detach_other_results(gm, b, out)
         dst = _slice(gm, b.carry_node, d, 0, frames)
         kind = (_try_retention(gm, b, state, dst) or _try_append(gm, b, state, dst)
                 or _materialize(gm, b, state, dst))
@@ -256,6 +261,16 @@ def _write_state(gm: GraphModule, ctx: PassContext, b: RegionBinding, out: Node)
     _set_out_value(out, b.out_index, dst)
     ctx.note(kind, r.name, f"new state ({frames} frames) written into C[:{frames}]")
     return True
+
+
+def _detach_other_results(gm, b: RegionBinding, out: Node) -> None:
+    """A result other than the new state that shares the carry's storage (the old state, a
+    transposed view of it) would change under the caller at the next write: hand out a copy."""
+    for i, o in enumerate(_out_values(out)):
+        if i != b.out_index and isinstance(o, Node) and storage_key(o) in b.storages:
+            copy = gm.graph.call_function(aten.clone.default, (o,))
+            copy.meta["val"] = o.meta.get("val")
+            _set_out_value(out, i, copy)
 
 
 def _late_carry_write(state: Node, b: RegionBinding) -> Optional[Node]:
@@ -279,7 +294,10 @@ def _try_retention(gm, b: RegionBinding, state: Node, dst: Node) -> Optional[str
     if x is None or val(x) is None:
         return None
     L = val(x).shape[d]
-    (d0, s0, e0), (d1, s1, e1) = (slice_bounds(p, L) for p in state.args[0])
+    bounds = [slice_bounds(p, L) for p in state.args[0]]
+    if None in bounds:
+        return None
+    (d0, s0, e0), (d1, s1, e1) = bounds
     cat_dim = state.args[1] if len(state.args) > 1 else 0
     if not (d0 == d1 == (cat_dim % val(x).dim()) == d and s0 == 0 and e1 == L and e0 <= s1):
         return None

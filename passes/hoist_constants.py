@@ -26,7 +26,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from cadence_fx.context import PassContext
-from cadence_fx.fx_utils import SIDE_EFFECTS, aten, dead_code_elimination, is_mutating, mutated_arg, view_chain
+from cadence_fx.fx_utils import (SIDE_EFFECTS, dead_code_elimination, is_mutating, mutated_arg,
+                                 storage_key)
 
 __all__ = ["hoist_constants"]
 
@@ -34,23 +35,21 @@ MAX_BYTES = 64 << 20
 
 
 def hoist_constants(gm: GraphModule, ctx: PassContext, max_bytes: int = MAX_BYTES) -> PassResult:
-    mutated: Set[Node] = set()
-    for n in gm.graph.nodes:
-        if is_mutating(n):
-            target = mutated_arg(n)
-            if target is not None:
-                base, chain = view_chain(target)
-                mutated.update([base, *chain])
+    # Storages that are written in place, or handed to the caller, are never constant: a shared
+    # hoisted tensor would carry the writes over to the next call, or to the caller.
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    unsafe = {storage_key(n) for n in output.all_input_nodes}
+    unsafe.update(storage_key(mutated_arg(n)) for n in gm.graph.nodes
+                  if is_mutating(n) and mutated_arg(n) is not None)
+    unsafe.discard(None)
     const: Set[Node] = set()
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             const.add(n)
-        elif n.op == "call_function" and _pure(n) and n not in mutated and all(
-                a in const for a in n.all_input_nodes):
+        elif (n.op == "call_function" and _pure(n) and storage_key(n) not in unsafe
+              and all(a in const for a in n.all_input_nodes)):
             const.add(n)
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     frontier = [n for n in gm.graph.nodes if n in const and n.op == "call_function"
-                and n not in output.all_input_nodes
                 and any(u not in const for u in n.users)]
     if not frontier:
         return PassResult(gm, False)

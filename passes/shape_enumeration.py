@@ -31,8 +31,13 @@ from cadence_fx.fx_utils import aten, val
 __all__ = ["shape_enumeration", "eager_reason"]
 
 _HOST_SYNC = {aten._local_scalar_dense.default: "host sync (.item())",
+              aten.item.default: "host sync (.item())",
               aten.equal.default: "host sync (torch.equal)",
               aten.is_nonzero.default: "host sync (bool of a tensor)"}
+# Host-side switches a pre-dispatch trace records for contexts inside the step; inside a captured
+# piece they only steer dispatch while capturing, which is what they do in eager too.
+_MODE_SWITCHES = {torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_autocast,
+                  torch.amp.autocast_mode._exit_autocast}
 _HOST_CHECKED = {aten.istft.default: "istft checks its window on the host (not capturable)"}
 
 
@@ -43,7 +48,7 @@ def eager_reason(node: Node, device: torch.device) -> Optional[str]:
     t = node.target
     if "cadence_eager_reason" in node.meta:
         return node.meta["cadence_eager_reason"]
-    if t is operator.getitem:
+    if t is operator.getitem or t in _MODE_SWITCHES:
         return None
     if not isinstance(t, torch._ops.OpOverload):
         return f"python callable {getattr(t, '__name__', t)}"

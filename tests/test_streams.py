@@ -57,7 +57,8 @@ class Toy:
 def _prompt_state():
     """The prompt state a turn reset restores: the priming pass of a separate module, cloned."""
     with torch.no_grad():
-        _, cache = PromptRetainedToy()(torch.randn(1, 24, 64, generator=torch.Generator().manual_seed(7)))
+        prompt = torch.randn(1, 24, 64, generator=torch.Generator().manual_seed(7))
+        _, cache = PromptRetainedToy()(prompt)
     return {"att": cache["att"].clone()}
 
 
@@ -99,7 +100,8 @@ class StreamLog:
 def _run_lockstep(toy: Toy, compiled, stock: torch.nn.Module, turns: Sequence[Sequence[int]],
                   seed: int) -> StreamLog:
     """Run ``turns`` (each a list of call widths, starting with a turn reset) through both steps,
-    asserting every tensor equal at every call. Returns what the stream did."""
+    asserting every tensor equal at every call. Returns what the stream did. A width the adapter
+    does not admit may only end a turn (the extents are not followed past it)."""
     g = torch.Generator().manual_seed(seed)
     log = StreamLog()
     for turn in turns:
@@ -330,3 +332,40 @@ def test_ring_random_schedules(turns, seed):
 @given(turns=schedules(TOYS["conv"], max_turn=6), seed=st.integers(0, 2**16))
 def test_conv_random_schedules(turns, seed):
     _check_schedule("conv", turns, seed)
+
+
+@st.composite
+def ragged_schedules(draw, toy: Toy):
+    """Turns whose calls may have any width, admitted or not, anywhere in the turn: a width off the
+    catalog moves the extents off it too, so later calls fall back until retention brings them
+    back (the prompt-retained toy) or the turn ends."""
+    widths = st.sampled_from((toy.f_chunk,) * 3 + toy.admitted + toy.rejected)
+    return draw(st.lists(st.lists(widths, min_size=1, max_size=8), min_size=1, max_size=3))
+
+
+@pytest.mark.parametrize("name", sorted(TOYS))
+@settings(max_examples=15, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_ragged_schedules_stay_bit_exact(name, data):
+    toy = TOYS[name]
+    turns = data.draw(ragged_schedules(toy), label="turns")
+    c, stock, _ = _shared(name)
+    before = dataclasses.replace(c.counters, reasons=c.counters.reasons.copy())
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    calls = 0
+    for turn in turns:
+        ref_state, got_state = toy.initial(), toy.initial()
+        for w in turn:
+            x = torch.randn(toy.x_shape(w), generator=g)
+            with torch.no_grad():
+                want, ref_state, _ = toy.call(stock, x, ref_state)
+                got, got_state, _ = toy.call(c, x, got_state)
+            calls += 1
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), f"call {calls} (width {w})"
+    k = c.counters
+    assert k.calls - before.calls == calls
+    assert (k.compiled_calls - before.compiled_calls) + (k.fallbacks - before.fallbacks) == calls
+    new = k.reasons - before.reasons
+    assert all("call width" in r or "is not in the catalog" in r for r in new), dict(new)
+    assert k.carry_addresses == 1 and k.invalidations == 0
