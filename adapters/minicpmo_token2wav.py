@@ -4,9 +4,11 @@ Numbers from the stock streaming loop (``stepaudio2/token2wav.py``) and the pape
 302 prompt frames, retention to prompt + 100 frames, 50-frame chunks (25 tokens at 2 frames per token),
 a 56-frame last call (the 3 look-ahead tokens kept), 10 Euler steps, CFG doubling the batch to 2.
 The estimator's stock envelope is ``att_cache_buffer`` of (16, 16, 2, 8, 1000, 128) fp32; new frames are
-prepended, so the mutable history precedes the immutable prompt tail.
+prepended, so the mutable history precedes the immutable prompt tail. Its conv state lives in
+``cnn_cache_buffer`` (16, 16, 2, 1024, 2): a fixed two-frame context, one extent, 10 of 16 slots used.
 """
-from cadence_fx.contract import PREPEND, APPEND, Adapter, Effects, PromptRetained, Region, SlidingWindow
+from cadence_fx.contract import (APPEND, PREPEND, Adapter, Effects, PromptRetained, Region, Ring,
+                                 SlidingWindow)
 
 CLOCKS = {
     "f_prompt": 302, "f_retained": 100, "f_chunk": 50, "f_call": 56, "n_steps": 10,
@@ -14,6 +16,8 @@ CLOCKS = {
     # layer and head counts of the real configuration (DiT depth 16, conformer 6 + 4 blocks)
     "dit_depth": 16, "conformer_layers": 10, "heads": 8, "kv_width": 128, "cfg_batch": 2, "batch": 1,
     "stock_steps": 16, "stock_frames": 1000,
+    # the DiT blocks' causal convs keep kernel - 1 = 2 frames of 512 + 512 channels per block
+    "cnn_context": 2, "conv_channels": 1024,
     # HiFT stream caches: 8 mel frames, 8 * 480 samples of source and speech
     "mel_bins": 80, "mel_cache": 8, "wave_cache": 3840, "samples_per_frame": 480,
 }
@@ -24,6 +28,12 @@ ESTIMATOR_ATT = Region(
     shape=("n_steps", "dit_depth", "cfg_batch", "heads", None, "kv_width"),
     stock_shape=("stock_steps", 16, "cfg_batch", "heads", "stock_frames", "kv_width"),
     envelope="att_cache_buffer")
+ESTIMATOR_CNN = Region(
+    name="estimator_cnn_cache", input="cache.estimator_cnn_cache", output="1.estimator_cnn_cache",
+    dim=4, retention=Ring("cnn_context"), advance="f_chunk", ordering=APPEND,
+    shape=("n_steps", "dit_depth", "cfg_batch", "conv_channels", None),
+    stock_shape=("stock_steps", 16, "cfg_batch", "conv_channels", "cnn_context"),
+    envelope="cnn_cache_buffer")
 CONFORMER_ATT = Region(
     name="conformer_att_cache", input="cache.conformer_att_cache", output="1.conformer_att_cache",
     dim=3, retention=PromptRetained("f_prompt", "f_retained"), advance="f_chunk", ordering=PREPEND,
@@ -44,7 +54,7 @@ HIFT_SPEECH = Region(
 TOKEN2WAV = Adapter(
     name="minicpmo-token2wav",
     clocks=CLOCKS,
-    regions=(ESTIMATOR_ATT, CONFORMER_ATT, HIFT_MEL, HIFT_SOURCE, HIFT_SPEECH),
+    regions=(ESTIMATOR_ATT, ESTIMATOR_CNN, CONFORMER_ATT, HIFT_MEL, HIFT_SOURCE, HIFT_SPEECH),
     call_frames=("f_chunk", "f_call"),
     call_input="mu", call_dim=2,
     admission="f_chunk",

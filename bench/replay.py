@@ -140,7 +140,7 @@ def cfm_part(depth, chunks):
     torch.cuda.reset_peak_memory_stats()
     stock, st_times, st_addr = stream(step, xs, prompt, resets, call, autocast=True)
     stock_peak = torch.cuda.max_memory_allocated()
-    adapter = adapters.get("minicpmo-token2wav").select("estimator_att_cache")
+    adapter = adapters.get("minicpmo-token2wav").select("estimator_att_cache", "estimator_cnn_cache")
     c = cadence_fx.compile(step, adapter)
     t0 = time.perf_counter()
     first, first_times, _ = stream(c, xs, prompt, resets, call, autocast=True)

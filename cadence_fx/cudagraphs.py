@@ -37,6 +37,8 @@ class CudaGraphBackend:
         self.captured = 0
         self.capture_seconds = 0.0
         self.staging_bytes = 0
+        self.graph_allocated_bytes = 0   # held by captured graphs: static outputs, staging
+        self.graph_reserved_bytes = 0    # reserved by the shared pool, intermediates included
 
     def lower(self, piece, args) -> Tuple[Optional[Callable], Optional[str]]:
         if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
@@ -73,6 +75,7 @@ class CudaGraphBackend:
                 piece.staging_bytes += s.untyped_storage().nbytes()
             else:
                 static.append(a)
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
@@ -85,6 +88,8 @@ class CudaGraphBackend:
         end.record()
         torch.cuda.synchronize()
         self.capture_seconds += start.elapsed_time(end) / 1e3
+        self.graph_allocated_bytes += torch.cuda.memory_allocated() - allocated
+        self.graph_reserved_bytes += torch.cuda.memory_reserved() - reserved
         self.captured += 1
         self.staging_bytes += piece.staging_bytes
         fixed_storages = {a.untyped_storage().data_ptr() for a, f in zip(args, piece.fixed)

@@ -59,7 +59,7 @@ class GuardedPiece(torch.nn.Module):
             self.counters.eager_pieces += 1
             return self.module(*args)
         if self.signature is None:
-            self.signature = _signature(args)
+            self.signature = _signature([a for a, f in zip(args, self.fixed) if not f])
             self.addresses = _addresses(args, self.fixed)
             self.replay, self.eager_reason = self.backend.lower(self, args)
             if self.eager_reason:
@@ -76,8 +76,10 @@ class GuardedPiece(torch.nn.Module):
         return self.replay(args)
 
     def guard(self, args) -> Optional[str]:
-        """Why this call may not replay, or None. Plain comparisons against the recording."""
-        if _signature(args) != self.signature:
+        """Why this call may not replay, or None. Plain comparisons against the recording:
+        the staged inputs' signatures, and the fixed-address inputs' ``data_ptr``."""
+        if len(args) != len(self.fixed) or _signature(
+                [a for a, f in zip(args, self.fixed) if not f]) != self.signature:
             return "signature differs from the captured one"
         now = _addresses(args, self.fixed)
         if now != self.addresses:

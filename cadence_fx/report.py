@@ -26,11 +26,15 @@ class Report:
     # -- data -----------------------------------------------------------------------------
     def memory(self) -> Dict[str, int]:
         c = self.c
+        backend = c.backend
         carry = sum(x.tensor.numel() * x.tensor.element_size() for x in c.carries.values())
         private = sum(t.numel() * t.element_size() for t in c._private.values())
         stock = sum(r.stock_bytes or r.declared_bytes or 0 for r in c.catalog.regions
                     if r.name in c.carries)
-        return {"stock_envelope_bytes": stock, "carry_bytes": carry, "private_buffer_bytes": private}
+        return {"stock_envelope_bytes": stock, "carry_bytes": carry, "private_buffer_bytes": private,
+                "graph_allocated_bytes": getattr(backend, "graph_allocated_bytes", 0),
+                "graph_reserved_bytes": getattr(backend, "graph_reserved_bytes", 0),
+                "capture_seconds": round(getattr(backend, "capture_seconds", 0.0), 3)}
 
     def classes(self) -> List[dict]:
         rows = []
@@ -43,7 +47,10 @@ class Report:
                          "constants": e.records["constants"],
                          "pieces": [{k: p[k] for k in ("name", "kind", "nodes", "reasons")}
                                     for p in e.records["pieces"]],
-                         "passes": e.records["passes"]})
+                         "passes": e.records["passes"],
+                         "staging_predicted": e.records.get("staging_predicted"),
+                         "staging_bytes": sum(m.staging_bytes for m in e.gm.modules()
+                                              if hasattr(m, "staging_bytes"))})
         return rows
 
     def as_dict(self) -> dict:
@@ -87,13 +94,17 @@ class Report:
                        f"stock {_mib(r['stock_bytes'])} -> declared {_mib(r['declared_bytes'])}")
         m = d["memory"]
         out += ["", f"memory: stock envelopes {_mib(m['stock_envelope_bytes'])}, carries "
-                f"{_mib(m['carry_bytes'])}, private buffers {_mib(m['private_buffer_bytes'])}",
+                f"{_mib(m['carry_bytes'])}, private buffers {_mib(m['private_buffer_bytes'])}, "
+                f"graphs {_mib(m['graph_allocated_bytes'])} held / {_mib(m['graph_reserved_bytes'])} "
+                f"reserved, captured in {m['capture_seconds']}s",
                 "counters: " + ", ".join(f"{k}={v}" for k, v in d["counters"].items() if k != "reasons")]
         for reason, n in d["counters"]["reasons"].items():
             out.append(f"  fallback x{n}: {reason}")
         for cls in d["classes"]:
             out += ["", f"class extents={cls['extents']} width={cls['width']}: "
                     f"{cls['traced_nodes']} nodes traced in {cls['trace_seconds']}s"]
+            out.append(f"  staging     {cls['staging_bytes']} bytes (predicted "
+                       f"{cls['staging_predicted']} with the regions aliased)")
             out += [f"  {w['kind']:<11} {w['region']}: {w['detail']}" for w in cls["rewrites"]]
             out += [f"  near-miss   {w['region']}: {w['detail']}" for w in cls["near_misses"]]
             out += [f"  constant    {k['name']} {k['shape']} {k['dtype']} on {k['device']}"

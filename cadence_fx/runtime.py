@@ -121,7 +121,9 @@ class CompiledStep:
         rng, counters = RngSnapshot(), copy.deepcopy(self.counters)
         entry, by_path, _ = self._select(args, kwargs)
         if entry is not None:
-            written = TensorSnapshot([v for v in by_path.values() if isinstance(v, torch.Tensor)])
+            written = TensorSnapshot([v for v in by_path.values() if isinstance(v, torch.Tensor)]
+                                     + [c.tensor for c in self.carries.values()]
+                                     + list(self._private.values()))
             self._run(entry, by_path)
             written.restore()
         snapshot.restore()
@@ -129,6 +131,40 @@ class CompiledStep:
         for f in dataclasses.fields(counters):  # preparing is not traffic: counters stay put
             setattr(self.counters, f.name, getattr(counters, f.name))
         return entry is not None
+
+    def capture_catalog(self, *args, **kwargs) -> Dict[Tuple, bool]:
+        """Compile every class of the catalog before the first chunk, from one example call.
+
+        The example's region inputs are re-cut to each class's extents (views of the carry) and
+        its call input -- with every other tensor argument that shares the call width along
+        ``call_dim`` -- is re-made at each declared call width (contiguous, zero-filled). State,
+        generators and counters are left as they were. Call it under the same modes as the
+        traffic (``inference_mode``/``no_grad``, autocast): they are part of every signature.
+        Returns ``{(extents, width): compiled}``.
+        """
+        named = bind_arguments(self._fn, args, kwargs)
+        by_path = dict(leaves_with_paths(named)[0])
+        ad = self.adapter
+        x = by_path.get(ad.call_input) if ad.call_input else None
+        width = x.shape[ad.call_dim] if isinstance(x, torch.Tensor) else None
+        done = {}
+        for extents, w in self.catalog.classes:
+            synth = dict(by_path)
+            for r, e in zip(ad.regions, extents):
+                t = by_path.get(r.input)
+                if isinstance(t, torch.Tensor):
+                    size = list(t.shape)
+                    size[r.dim] = e
+                    synth[r.input] = torch.zeros(size, dtype=t.dtype, device=t.device)
+            if width is not None:
+                for path, t in by_path.items():
+                    if (isinstance(t, torch.Tensor) and path not in {r.input for r in ad.regions}
+                            and t.dim() > (ad.call_dim % t.dim()) and t.shape[ad.call_dim] == width):
+                        size = list(t.shape)
+                        size[ad.call_dim] = w
+                        synth[path] = torch.zeros(size, dtype=t.dtype, device=t.device)
+            done[(extents, w)] = self.prepare(**_replace_leaves(named, synth))
+        return done
 
     def _admission(self, by_path) -> Optional[str]:
         extents = []
@@ -285,6 +321,11 @@ class CompiledStep:
                                      ctx.inputs):
             if spec.name not in self._private:
                 self._private[spec.name] = self._buffers[spec.name].detach().clone()
+        # eq. (6), this class: with the regions aliased, only the other tensor arguments are staged
+        ctx.records["staging_predicted"] = sum(
+            n.meta["val"].numel() * n.meta["val"].element_size()
+            for n, spec in zip([n for n in gm.graph.nodes if n.op == "placeholder"], ctx.inputs)
+            if spec.kind == "arg" and isinstance(n.meta.get("val"), torch.Tensor))
         writes = [w for w in ctx.records["rewrites"] if w["kind"] in ("retention", "append", "materialize")]
         entry = ClassEntry(
             key=key, gm=gm, inputs=ctx.inputs, traced=traced, records=ctx.records,

@@ -185,3 +185,48 @@ def test_prepare_captures_before_traffic_without_touching_state():
     assert all(torch.equal(prompt_state[k], before[k]) for k in before)
     ours, _, _ = _stream(compiled, prompt_state, xs)
     assert _equal(stock, ours)
+
+
+def test_capture_catalog_before_the_first_chunk():
+    model, prompt_state, xs = _toy()
+    stock, _, _ = _stream(model, prompt_state, xs)
+    compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
+    with torch.no_grad():
+        done = compiled.capture_catalog(xs[0], prompt_state)
+    assert all(done.values()) and len(done) == compiled.catalog.size == 6
+    captured = compiled.backend.captured
+    ours, _, _ = _stream(compiled, prompt_state, xs)
+    assert _equal(stock, ours)
+    assert compiled.backend.captured == captured and compiled.counters.traces == 0
+    assert compiled.counters.replays == len(xs)
+    memory = compiled.report().memory()
+    assert memory["graph_reserved_bytes"] > 0 and memory["capture_seconds"] > 0
+
+
+def test_real_cfm_chunk_is_one_captured_piece():
+    token2wav = pytest.importorskip("cadence_fx.models.token2wav")
+    from cadence_fx import adapters
+    step = token2wav.CFMStep(token2wav.build_cfm(2, device=DEV))
+    spks, prompt = token2wav.prime_cfm(step, device=DEV)
+    g = torch.Generator().manual_seed(4)
+    chunks = [(torch.randn(1, 80, 50, generator=g).to(DEV), torch.zeros(1, 80, 50, device=DEV))
+              for _ in range(4)]
+
+    def run(s):
+        outs, state = [], prompt
+        for mu, cond in chunks:
+            with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float32):
+                mel, state = s(mu, spks, cond, state)
+            outs.append(mel.clone())
+        return outs
+
+    stock = run(step)
+    adapter = adapters.get("minicpmo-token2wav").select("estimator_att_cache", "estimator_cnn_cache")
+    compiled = cadence_fx.compile(step, adapter)
+    assert all(torch.equal(a, b) for a, b in zip(stock, run(compiled)))
+    for entry in compiled.classes.values():
+        assert [p["kind"] for p in entry.records["pieces"]] == ["graph"]
+        assert any(k["host_to_device"] for k in entry.records["constants"])  # the DiT table
+        assert entry.records["staging_predicted"] == sum(
+            m.staging_bytes for m in entry.gm.modules() if hasattr(m, "staging_bytes"))
+    assert compiled.counters.replays == len(chunks) and compiled.counters.fallbacks == 0

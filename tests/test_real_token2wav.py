@@ -37,7 +37,7 @@ def runs():
     g = torch.Generator().manual_seed(3)
     chunks = [(torch.randn(1, 80, w, generator=g), torch.zeros(1, 80, w)) for w in WIDTHS]
     stock = _stream(step, spks, prompt_state, chunks)
-    adapter = adapters.get("minicpmo-token2wav").select("estimator_att_cache")
+    adapter = adapters.get("minicpmo-token2wav").select("estimator_att_cache", "estimator_cnn_cache")
     compiled = cadence_fx.compile(step, adapter, verify=True)
     result = _stream(compiled, spks, prompt_state, chunks)
     return stock, result, compiled, prompt_state, before
@@ -54,7 +54,7 @@ def test_state_is_bit_exact_on_the_declared_extent(runs):
         assert att_c.shape[0] == 10 and att_s.shape[0] == 16  # 10 solver steps declared, 16 reserved
         assert torch.equal(att_s[:10], att_c)
         assert not att_s[10:].any()  # the stock rows the carry drops are never written
-        assert torch.equal(cnn_s, cnn_c)
+        assert cnn_c.shape[0] == 10 and torch.equal(cnn_s[:10], cnn_c) and not cnn_s[10:].any()
 
 
 def test_carry_keeps_one_address_and_the_declared_size(runs):
@@ -62,6 +62,7 @@ def test_carry_keeps_one_address_and_the_declared_size(runs):
     assert len(addresses) == 1 and len(stock_addresses) > 1
     carry = compiled.carries["estimator_att_cache"].tensor
     assert tuple(carry.shape) == (10, 16, 2, 8, 458, 128)
+    assert tuple(compiled.carries["estimator_cnn_cache"].tensor.shape) == (10, 16, 2, 1024, 2)
     assert compiled.counters.carry_addresses == 1
 
 
@@ -71,7 +72,7 @@ def test_counters_and_audit(runs):
     assert c.fallbacks == 0 and c.compiled_calls == len(WIDTHS)
     assert c.traces == 4                  # (302, 50), (352, 50), (402, 50), (402, 56)
     assert c.retentions == 2              # calls entering at 402 frames
-    assert c.absorptions == 2             # the prompt state, once per turn
+    assert c.absorptions == 4             # the prompt state of both regions, once per turn
     assert sum(compiled.auditor.comparisons.values()) == c.retentions
     kinds = {w["kind"] for e in compiled.classes.values() for w in e.records["rewrites"]}
     assert {"envelope", "retention", "in_place"} <= kinds
