@@ -344,6 +344,7 @@ class CompiledStep:
         leaves = dict(leaves_with_paths(named)[0])
         written += [leaves[s.name] for s in _mutated_args(placeholders, traced.inputs)]
         written += [c.tensor for c in self.carries.values()]
+        written += _mutated_attributes(traced.gm)  # module state in plain tensor attributes
         state, rng = TensorSnapshot(written), RngSnapshot()
         try:
             with torch.no_grad():
@@ -398,6 +399,17 @@ def _mutated_buffers(placeholders, inputs, kind: str = "buffer") -> List[InputSp
             spec = index.get(base)
             if spec is not None and spec.kind == kind and spec not in found:
                 found.append(spec)
+    return found
+
+
+def _mutated_attributes(gm: torch.fx.GraphModule) -> List[torch.Tensor]:
+    found = []
+    for n in gm.graph.nodes:
+        if is_mutating(n):
+            target = mutated_arg(n)
+            base = view_chain(target)[0] if target is not None else None
+            if base is not None and base.op == "get_attr":
+                found.append(getattr(gm, base.target))
     return found
 
 

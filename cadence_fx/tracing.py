@@ -26,6 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .effects import TensorSnapshot
 from .errors import TraceError
 
 __all__ = ["InputSpec", "TracedStep", "bind_arguments", "leaves_with_paths", "trace_step",
@@ -62,6 +63,36 @@ def leaves_with_paths(tree) -> Tuple[List[Tuple[str, Any]], pytree.TreeSpec]:
     """Flatten a pytree into ``(path, leaf)`` pairs with paths like ``"cache.att"`` or ``"1"``."""
     flat, spec = pytree.tree_flatten_with_path(tree)
     return [(".".join(_key_str(k) for k in path), leaf) for path, leaf in flat], spec
+
+
+def module_state_tensors(module: torch.nn.Module, depth: int = 3) -> List[torch.Tensor]:
+    """Tensors a module keeps outside its parameters and buffers: plain attributes, and those
+    inside containers and dataclasses held by attributes (streaming state), ``depth`` levels deep."""
+    found: Dict[int, torch.Tensor] = {}
+
+    def visit(value, level):
+        if isinstance(value, torch.Tensor):
+            if not isinstance(value, torch.nn.Parameter):
+                found.setdefault(id(value), value)
+        elif level < depth:
+            if isinstance(value, dict):
+                items = value.values()
+            elif isinstance(value, (list, tuple)):
+                items = value
+            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+                items = [getattr(value, f.name) for f in dataclasses.fields(value)]
+            else:
+                return
+            for item in items:
+                visit(item, level + 1)
+
+    for sub in module.modules():
+        buffers = {id(b) for b in sub._buffers.values() if b is not None}
+        for name, value in vars(sub).items():
+            if name in ("_parameters", "_buffers", "_modules") or id(value) in buffers:
+                continue
+            visit(value, 0)
+    return list(found.values())
 
 
 def bind_arguments(fn: Callable, args: Sequence, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -134,9 +165,16 @@ def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any]
     example = list(params.values()) + list(buffers.values()) + [v for _, v in arg_tensors]
     start = time.perf_counter()
     try:
-        with torch.no_grad():
-            gm = make_fx(flat_step, tracing_mode=tracing_mode, pre_dispatch=True,
-                         _allow_non_fake_inputs=True)(*example)
+        # Tensors held in plain attributes (module state such as a step counter or a streaming
+        # cache) enter the trace as real constants, and ops on them run for real while tracing:
+        # put them back afterwards so that a trace has no effects.
+        state_tensors = TensorSnapshot(module_state_tensors(module))
+        try:
+            with torch.no_grad():
+                gm = make_fx(flat_step, tracing_mode=tracing_mode, pre_dispatch=True,
+                             _allow_non_fake_inputs=True)(*example)
+        finally:
+            state_tensors.restore()
     except Exception as e:  # noqa: BLE001 - re-raised with the signature that failed
         shapes = {p: tuple(v.shape) for p, v in arg_tensors}
         raise TraceError(f"make_fx could not trace the step at argument shapes {shapes}: "

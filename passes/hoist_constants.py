@@ -13,7 +13,7 @@ the chunk capturable. The constant is computed by running the very same aten ops
 value is the stock value bit for bit.
 
 Not hoisted: anything reading a placeholder (parameters and buffers included: the user may update
-them), random draws, mutated tensors and their views, values returned by the step (the caller may
+them) or module state held in plain tensor attributes, random draws, mutated tensors and their views, values returned by the step (the caller may
 mutate them), and constants over ``max_bytes``. Invariant: outputs unchanged; fewer nodes per call.
 """
 from __future__ import annotations
@@ -40,11 +40,11 @@ def hoist_constants(gm: GraphModule, ctx: PassContext, max_bytes: int = MAX_BYTE
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     unsafe = {storage_key(n) for n in output.all_input_nodes}
     unsafe.update(storage_key(mutated_arg(n)) for n in gm.graph.nodes
-                  if is_mutating(n) and mutated_arg(n) is not None)
+                  if is_mutating(n) and not _metadata_only(n) and mutated_arg(n) is not None)
     unsafe.discard(None)
     const: Set[Node] = set()
     for n in gm.graph.nodes:
-        if n.op == "get_attr":
+        if n.op == "get_attr" and _literal(n):
             const.add(n)
         elif (n.op == "call_function" and _pure(n) and storage_key(n) not in unsafe
               and all(a in const for a in n.all_input_nodes)):
@@ -79,15 +79,32 @@ def hoist_constants(gm: GraphModule, ctx: PassContext, max_bytes: int = MAX_BYTE
     return PassResult(gm, hoisted > 0)
 
 
+def _literal(n: Node) -> bool:
+    """A tensor written in the step's code (``torch.tensor([...])``), which the trace copies fresh
+    on every call, or a constant this pass made. Other attributes are module state: the step or
+    its owner may change them between calls, so nothing computed from them is constant."""
+    if n.target.startswith("_cadence_const_"):
+        return True
+    return bool(n.users) and all(u.target is torch.ops.aten.lift_fresh_copy.default for u in n.users)
+
+
 def _pure(n: Node) -> bool:
     t = n.target
     if t is operator.getitem:
         return True
-    if not isinstance(t, torch._ops.OpOverload) or is_mutating(n) or t in SIDE_EFFECTS:
+    if not isinstance(t, torch._ops.OpOverload) or t in SIDE_EFFECTS:
+        return False
+    if is_mutating(n) and not _metadata_only(n):
         return False
     tags = t.tags
     return not (torch.Tag.nondeterministic_seeded in tags or torch.Tag.dynamic_output_shape in tags
                 or torch.Tag.data_dependent_output in tags)
+
+
+def _metadata_only(n: Node) -> bool:
+    """In-place view ops (``detach_``, ``t_``) change a tensor's metadata, not its data; a
+    pre-dispatch trace of ``torch.tensor([...])`` ends in one."""
+    return torch.Tag.inplace_view in getattr(n.target, "tags", ())
 
 
 def _fetch(gm: GraphModule, target: str):

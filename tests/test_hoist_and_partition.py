@@ -511,3 +511,33 @@ def test_state_with_nonzero_rows_beyond_the_declaration_is_a_contract_error():
         with pytest.raises(ContractError, match=r"region 'win'.*declares shape \(1, 3, 'frames'\) "
                                                 r"but the step received \(1, 4, 2\)"):
             c(torch.randn(1, 4, 2), torch.ones(1, 4, 2))
+
+
+class StateAttribute(nn.Module):
+    """Module state in a plain tensor attribute (as Moshi's streaming state): advanced in place
+    every call, so nothing computed from it is a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.step_count = torch.zeros(1)
+
+    def forward(self, x, cache):
+        self.step_count.add_(1)
+        literal = torch.tensor([[0.5], [1.0], [2.0]])  # a literal: hoistable
+        return x * (self.step_count * 2) * literal, _window(x, cache)
+
+
+def test_state_attributes_are_not_constants_but_literals_are():
+    named = _named()
+    traced, ctx = _traced(StateAttribute(), named)
+    result, _, _ = _run_pass(hoist_pass.hoist_constants, traced.gm, ctx)
+    assert len(ctx.records["constants"]) == 1  # the literal table, not the counter
+    g = torch.Generator().manual_seed(5)
+    c, stock = cadence_fx.compile(StateAttribute(), WINDOW), StateAttribute()
+    got_cache = ref_cache = torch.zeros(1, 3, 4)
+    for _ in range(4):
+        x = torch.randn(1, 3, 2, generator=g)
+        with torch.no_grad():
+            got, want = c(x, got_cache), stock(x, ref_cache)
+        _equal(list(got), list(want))
+        got_cache, ref_cache = got[1], want[1]
