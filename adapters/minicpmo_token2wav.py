@@ -7,6 +7,8 @@ The estimator's stock envelope is ``att_cache_buffer`` of (16, 16, 2, 8, 1000, 1
 prepended, so the mutable history precedes the immutable prompt tail. Its conv state lives in
 ``cnn_cache_buffer`` (16, 16, 2, 1024, 2): a fixed two-frame context, one extent, 10 of 16 slots used.
 """
+import dataclasses
+
 from cadence_fx.contract import (APPEND, PREPEND, Adapter, Effects, PromptRetained, Region, Ring,
                                  SlidingWindow)
 
@@ -39,15 +41,15 @@ CONFORMER_ATT = Region(
     dim=3, retention=PromptRetained("f_prompt", "f_retained"), advance="f_chunk", ordering=PREPEND,
     shape=("conformer_layers", "batch", "heads", None, "kv_width"))
 HIFT_MEL = Region(
-    name="hift_mel_cache", input="hift_cache.mel", output="2.mel", dim=2,
+    name="hift_mel_cache", input="hift_cache.mel", output="1.mel", dim=2,
     retention=SlidingWindow("mel_cache"), advance="f_chunk", ordering=APPEND,
     shape=("batch", "mel_bins", None))
 HIFT_SOURCE = Region(
-    name="hift_source_cache", input="hift_cache.source", output="2.source", dim=2,
+    name="hift_source_cache", input="hift_cache.source", output="1.source", dim=2,
     retention=SlidingWindow("wave_cache"), advance="wave_cache", ordering=APPEND,
     shape=("batch", 1, None))
 HIFT_SPEECH = Region(
-    name="hift_speech_cache", input="hift_cache.speech", output="2.speech", dim=1,
+    name="hift_speech_cache", input="hift_cache.speech", output="1.speech", dim=1,
     retention=SlidingWindow("wave_cache"), advance="wave_cache", ordering=APPEND,
     shape=("batch", None))
 
@@ -58,9 +60,18 @@ TOKEN2WAV = Adapter(
     call_frames=("f_chunk", "f_call"),
     call_input="mu", call_dim=2,
     admission="f_chunk",
-    constants=("timestep_frequencies", "stft_window", "harmonic_multipliers"),
+    # HiFT copies its STFT window to the device on every call; the DiT frequency table (an
+    # arange) and SineGen's harmonic multipliers (a literal) are found without a declaration.
+    constants=("stft_window",),
     effects=Effects(device_rng=True),
     description="MiniCPM-o 4.5 Token2Wav: CFM flow decoder (DiT, 10 Euler steps) + HiFT vocoder",
 )
 
-ADAPTERS = {"minicpmo-token2wav": TOKEN2WAV}
+# The vocoder step (``cadence_fx.models.token2wav.HiFTStep``): its three caches, read from
+# ``hift_cache`` and returned as the second result; the call width is the mel chunk's.
+TOKEN2WAV_HIFT = dataclasses.replace(
+    TOKEN2WAV, name="minicpmo-token2wav-hift", regions=(HIFT_MEL, HIFT_SOURCE, HIFT_SPEECH),
+    call_input="chunk_mel", call_dim=2,
+    description="MiniCPM-o 4.5 Token2Wav vocoder (HiFT) with its mel/source/speech caches")
+
+ADAPTERS = {"minicpmo-token2wav": TOKEN2WAV, "minicpmo-token2wav-hift": TOKEN2WAV_HIFT}

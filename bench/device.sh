@@ -15,7 +15,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 cat "$OUT/env.txt"
 STEP=${1:-all}
 if [[ $STEP == all || $STEP == tests ]]; then
-  python3 -m pytest -m gpu tests/test_gpu.py -v -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt"
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m pytest -m gpu tests -v -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt"
 fi
 if [[ $STEP == all || $STEP == demo ]]; then
   cadence-fx demo --model toy --device cuda --json 2>&1 | tee "$OUT/demo-toy-cuda.json"

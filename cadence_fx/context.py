@@ -61,6 +61,7 @@ class PassContext:
     backend: Any = None
     counters: Any = None
     strict: bool = False
+    constant_ids: set = dataclasses.field(default_factory=set)  # declared constant attributes
     records: Dict[str, list] = dataclasses.field(default_factory=lambda: {
         "rewrites": [], "near_misses": [], "constants": [], "pieces": [], "passes": []})
 

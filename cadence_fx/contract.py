@@ -101,7 +101,9 @@ class Adapter:
     ``call_frames`` names the clocks giving the frame width of a steady call (e.g. ``f_chunk`` and the
     last call's ``f_call``); ``call_input``/``call_dim`` say where that width is read from the step's
     arguments. ``admission`` names the clock bounding a partial flush: ``frames <= clocks[admission]``.
-    ``constants`` names the device-resident constants the step is expected to contain.
+    ``constants`` names tensor attributes of the model (last path component, e.g. ``stft_window``)
+    that hold constants: subgraphs computed from them are evaluated once and kept on the device.
+    Factories and literals in the step's code need no declaration.
     ``width_limit`` is the largest catalog width K a region may have (Criterion 3.5).
     ``recapture_on_drift``: after a fixed-address input moves, capture the class again at the new
     addresses on its next call (else it stays eager).

@@ -30,7 +30,7 @@ from .fx_utils import is_mutating, mutated_arg, view_chain
 from .pipeline import Options, build_pipeline, run_pipeline
 from .replay import EagerBackend
 from .tracing import (InputSpec, TracedStep, bind_arguments, global_signature, leaves_with_paths,
-                      tensor_signature, trace_step)
+                      module_state_tensors, tensor_signature, trace_step)
 
 __all__ = ["compile", "CompiledStep"]
 
@@ -80,6 +80,9 @@ class CompiledStep:
         self._classes_ok = {e for e, _ in self.catalog.classes}
         self._pipeline = build_pipeline(options)
         self._fn = step.forward if isinstance(step, torch.nn.Module) else step
+        # tensor attributes the adapter declares constant (e.g. HiFT's ``stft_window``)
+        self._constant_ids = {id(t) for name, t in module_state_tensors(module).items()
+                              if name.rsplit(".", 1)[-1] in adapter.constants}
 
     # -- the call ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -312,7 +315,8 @@ class CompiledStep:
                 bindings.append(RegionBinding(r, ph, out_pos.get(r.output), self.carries[r.name]))
         ctx = PassContext(adapter=self.adapter, class_key=key[0], inputs=inputs, regions=bindings,
                           module_buffers=self._buffers, verify=self.verify, auditor=self.auditor,
-                          backend=self.backend, counters=self.counters, strict=self.strict)
+                          backend=self.backend, counters=self.counters, strict=self.strict,
+                          constant_ids=self._constant_ids)
         gm = run_pipeline(gm, ctx, self._pipeline)
         # Buffers the rewritten step still writes get a private copy: the user's module is never
         # written by the compiled path (envelopes replaced by carries are gone by now).

@@ -65,34 +65,37 @@ def leaves_with_paths(tree) -> Tuple[List[Tuple[str, Any]], pytree.TreeSpec]:
     return [(".".join(_key_str(k) for k in path), leaf) for path, leaf in flat], spec
 
 
-def module_state_tensors(module: torch.nn.Module, depth: int = 3) -> List[torch.Tensor]:
-    """Tensors a module keeps outside its parameters and buffers: plain attributes, and those
-    inside containers and dataclasses held by attributes (streaming state), ``depth`` levels deep."""
-    found: Dict[int, torch.Tensor] = {}
+def module_state_tensors(module: torch.nn.Module, depth: int = 3) -> Dict[str, torch.Tensor]:
+    """Tensors a module keeps outside its parameters and buffers, by attribute path: plain
+    attributes, and those inside containers and dataclasses held by attributes (streaming
+    state), ``depth`` levels deep."""
+    found: Dict[str, torch.Tensor] = {}
+    seen = set()
 
-    def visit(value, level):
+    def visit(path, value, level):
         if isinstance(value, torch.Tensor):
-            if not isinstance(value, torch.nn.Parameter):
-                found.setdefault(id(value), value)
+            if not isinstance(value, torch.nn.Parameter) and id(value) not in seen:
+                seen.add(id(value))
+                found[path] = value
         elif level < depth:
             if isinstance(value, dict):
-                items = value.values()
+                items = value.items()
             elif isinstance(value, (list, tuple)):
-                items = value
+                items = enumerate(value)
             elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-                items = [getattr(value, f.name) for f in dataclasses.fields(value)]
+                items = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
             else:
                 return
-            for item in items:
-                visit(item, level + 1)
+            for key, item in items:
+                visit(f"{path}.{key}", item, level + 1)
 
-    for sub in module.modules():
+    for prefix, sub in module.named_modules():
         buffers = {id(b) for b in sub._buffers.values() if b is not None}
         for name, value in vars(sub).items():
             if name in ("_parameters", "_buffers", "_modules") or id(value) in buffers:
                 continue
-            visit(value, 0)
-    return list(found.values())
+            visit(f"{prefix}.{name}" if prefix else name, value, 0)
+    return found
 
 
 def bind_arguments(fn: Callable, args: Sequence, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -168,7 +171,7 @@ def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any]
         # Tensors held in plain attributes (module state such as a step counter or a streaming
         # cache) enter the trace as real constants, and ops on them run for real while tracing:
         # put them back afterwards so that a trace has no effects.
-        state_tensors = TensorSnapshot(module_state_tensors(module))
+        state_tensors = TensorSnapshot(module_state_tensors(module).values())
         try:
             with torch.no_grad():
                 gm = make_fx(flat_step, tracing_mode=tracing_mode, pre_dispatch=True,

@@ -12,8 +12,10 @@ A host-to-device copy cannot be captured in a CUDA graph, so hoisting it is what
 the chunk capturable. The constant is computed by running the very same aten ops once, so its
 value is the stock value bit for bit.
 
-Not hoisted: anything reading a placeholder (parameters and buffers included: the user may update
-them) or module state held in plain tensor attributes, random draws, mutated tensors and their views, values returned by the step (the caller may
+Sources: factories (``arange``), literals (``torch.tensor([...])``) and tensor attributes the adapter
+declares constant (``Adapter.constants``, e.g. HiFT's ``stft_window``, copied to the device on
+every stock call). Not hoisted: anything reading a placeholder (parameters and buffers included:
+the user may update them) or undeclared module state in tensor attributes, random draws, mutated tensors and their views, values returned by the step (the caller may
 mutate them), and constants over ``max_bytes``. Invariant: outputs unchanged; fewer nodes per call.
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ def hoist_constants(gm: GraphModule, ctx: PassContext, max_bytes: int = MAX_BYTE
     unsafe.discard(None)
     const: Set[Node] = set()
     for n in gm.graph.nodes:
-        if n.op == "get_attr" and _literal(n):
+        if n.op == "get_attr" and (_literal(n) or id(_fetch(gm, n.target)) in ctx.constant_ids):
             const.add(n)
         elif (n.op == "call_function" and _pure(n) and storage_key(n) not in unsafe
               and all(a in const for a in n.all_input_nodes)):

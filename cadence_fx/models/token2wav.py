@@ -9,7 +9,9 @@ computation would be trivial.
 
 ``CFMStep`` is the thin step: ``CausalConditionalCFM.forward_chunk`` followed by the retention
 exactly as ``stepaudio2/token2wav.py`` applies it to ``estimator_att_cache`` (prompt + last 100
-frames, along dim 4).
+frames, along dim 4). ``HiFTStep`` is the vocoder half of ``Token2wav.stream``: the stock
+``HiFTGenerator`` with its mel/source/speech caches and the overlap fade; it draws device
+randomness on every call and its ``istft`` stays eager.
 """
 from __future__ import annotations
 
@@ -20,10 +22,12 @@ import sys
 import types
 from typing import Dict, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["import_stock", "build_cfm", "CFMStep", "prime_cfm"]
+__all__ = ["import_stock", "build_cfm", "CFMStep", "prime_cfm", "build_hift", "HiFTStep",
+           "empty_hift_cache"]
 
 DIT_CONFIG = dict(in_channels=320, out_channels=80, mlp_ratio=4, num_heads=8, head_dim=64,
                   hidden_size=512)
@@ -46,7 +50,8 @@ def import_stock() -> types.SimpleNamespace:
         sys.modules["stepaudio2"] = pkg
     return types.SimpleNamespace(
         flow_matching=importlib.import_module("stepaudio2.cosyvoice2.flow.flow_matching"),
-        decoder_dit=importlib.import_module("stepaudio2.cosyvoice2.flow.decoder_dit"))
+        decoder_dit=importlib.import_module("stepaudio2.cosyvoice2.flow.decoder_dit"),
+        hifigan=importlib.import_module("stepaudio2.flashcosyvoice.modules.hifigan"))
 
 
 def build_cfm(depth: int = 16, *, seed: int = 0, device="cpu", cfg_rate: float = 0.7) -> nn.Module:
@@ -96,3 +101,65 @@ def prime_cfm(step: CFMStep, *, seed: int = 1, device="cpu") -> Tuple[torch.Tens
     with torch.inference_mode():
         _, state = step(mu, spks, cond, None)
     return spks, {k: v.clone() for k, v in state.items()}
+
+
+def build_hift(*, seed: int = 0, device="cpu") -> nn.Module:
+    """The stock ``HiFTGenerator`` at its default (Token2Wav) configuration, random weights."""
+    stock = import_stock()
+    torch.manual_seed(seed)
+    hift = stock.hifigan.HiFTGenerator()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in hift.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05 + (0.05 if p.dim() == 1 else 0.0))
+    return hift.to(device).eval()
+
+
+def empty_hift_cache(device="cpu", mel_bins: int = 80) -> Dict[str, torch.Tensor]:
+    """The vocoder caches at the start of a turn, as ``Token2wav.set_stream_cache`` makes them."""
+    return {"mel": torch.zeros(1, mel_bins, 0, device=device),
+            "source": torch.zeros(1, 1, 0, device=device),
+            "speech": torch.zeros(1, 0, device=device)}
+
+
+class HiFTStep(nn.Module):
+    """The vocoder part of ``Token2wav.stream`` (stepaudio2/token2wav.py), unchanged: mel and
+    source caches feed the stock ``HiFTGenerator``, the speech cache is faded in, the caches keep
+    the last 8 mel frames and 8 * 480 samples. ``fade_in_out`` is the stock module-level helper
+    (restated here because its module imports torchaudio at the top)."""
+
+    def __init__(self, hift: nn.Module, mel_cache_len: int = 8):
+        super().__init__()
+        self.hift = hift
+        self.mel_cache_len = mel_cache_len
+        self.source_cache_len = mel_cache_len * 480
+        window = torch.from_numpy(np.hamming(2 * self.source_cache_len))  # float64, as stock
+        self.register_buffer("speech_window", window, persistent=False)
+
+    def forward(self, chunk_mel: torch.Tensor, hift_cache: Dict[str, torch.Tensor],
+                last_chunk: bool = False):
+        mel = torch.concat([hift_cache["mel"], chunk_mel], dim=2)
+        speech, source = self.hift(mel, hift_cache["source"])
+        if hift_cache["speech"].shape[-1] > 0:
+            speech = _fade_in_out(speech, hift_cache["speech"], self.speech_window)
+        is_first_chunk = hift_cache["speech"].shape[-1] == 0
+        new_cache = {"mel": mel[..., -self.mel_cache_len:].clone().detach(),
+                     "source": source[:, :, -self.source_cache_len:].clone().detach(),
+                     "speech": speech[:, -self.source_cache_len:].clone().detach()}
+        if not last_chunk:
+            if is_first_chunk:
+                silence = torch.zeros(1, self.source_cache_len, device=speech.device)
+                speech = torch.cat([silence, speech[:, :-self.source_cache_len]], dim=1)
+            else:
+                speech = speech[:, :-self.source_cache_len]
+        return speech, new_cache
+
+
+def _fade_in_out(fade_in_mel, fade_out_mel, window):
+    """``fade_in_out`` of stepaudio2/token2wav.py."""
+    mel_overlap_len = int(window.shape[0] / 2)
+    fade_in_mel = fade_in_mel.clone()
+    fade_in_mel[..., :mel_overlap_len] = \
+        fade_in_mel[..., :mel_overlap_len] * window[:mel_overlap_len] + \
+        fade_out_mel[..., -mel_overlap_len:] * window[mel_overlap_len:]
+    return fade_in_mel

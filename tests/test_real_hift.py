@@ -1,0 +1,72 @@
+"""The real HiFT vocoder of minicpmo==0.1.2 (stock HiFTGenerator, default configuration, random
+weights) inside Token2Wav's streaming vocoder step, compiled and bit-exact on the CPU over a
+stream with a turn reset and a 56-frame last call. It draws randomness on every call (SineGen's
+rand and randn_like); both sides start from the same generator state."""
+import pytest
+import torch
+
+import cadence_fx
+from cadence_fx import adapters
+
+token2wav = pytest.importorskip("cadence_fx.models.token2wav")
+try:
+    token2wav.import_stock()
+except ImportError as e:  # pragma: no cover
+    pytest.skip(str(e), allow_module_level=True)
+
+TURN = [50, 50, 50, 56]
+
+
+def _stream(step, mels, device="cpu"):
+    torch.manual_seed(77)
+    if device != "cpu":
+        torch.cuda.manual_seed(77)
+    outs, addresses, cache = [], set(), token2wav.empty_hift_cache(device)
+    for i, mel in enumerate(mels):
+        if i % len(TURN) == 0:
+            cache = token2wav.empty_hift_cache(device)  # turn boundary
+        with torch.inference_mode():
+            pcm, cache = step(mel, cache, last_chunk=(i % len(TURN) == len(TURN) - 1))
+        addresses.add(cache["source"].data_ptr())
+        outs.append((pcm.clone(), {k: v.clone() for k, v in cache.items()}))
+    return outs, addresses
+
+
+def test_hift_stream_bit_exact_with_device_randomness_and_an_eager_istft():
+    step = token2wav.HiFTStep(token2wav.build_hift())
+    g = torch.Generator().manual_seed(2)
+    mels = [torch.randn(1, 80, w, generator=g) for w in TURN * 2]
+    stock, stock_addresses = _stream(step, mels)
+    compiled = cadence_fx.compile(step, "minicpmo-token2wav-hift", verify=True)
+    ours, addresses = _stream(compiled, mels)
+    for (pa, ca), (pb, cb) in zip(stock, ours):
+        assert torch.equal(pa, pb) and all(torch.equal(ca[k], cb[k]) for k in ca)
+    c = compiled.counters
+    assert c.fallbacks == 0 and c.compiled_calls == len(mels)
+    assert c.traces == 3                        # extents (0,0,0) and (8,3840,3840); widths 50, 56
+    assert len(addresses) == 1 and len(stock_addresses) > 1
+    reasons = {r for e in compiled.classes.values() for p in e.records["pieces"] for r in p["reasons"]}
+    assert "istft checks its window on the host (not capturable)" in reasons
+    assert sum(compiled.auditor.comparisons.values()) == 3 * len(mels)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hift_replays_bit_exact_on_cuda_with_pinned_kernels():
+    cadence_fx.pin_deterministic_kernels()  # stock HiFT is not reproducible without it
+    step = token2wav.HiFTStep(token2wav.build_hift(device="cuda"))
+    g = torch.Generator().manual_seed(2)
+    mels = [torch.randn(1, 80, w, generator=g).cuda() for w in TURN * 3]
+    stock, _ = _stream(step, mels, "cuda")
+    again, _ = _stream(step, mels, "cuda")
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(stock, again))  # the pinned envelope
+    compiled = cadence_fx.compile(step, "minicpmo-token2wav-hift")
+    ours, addresses = _stream(compiled, mels, "cuda")
+    for (pa, ca), (pb, cb) in zip(stock, ours):
+        assert torch.equal(pa, pb) and all(torch.equal(ca[k], cb[k]) for k in ca)
+    c = compiled.counters
+    assert c.fallbacks == 0 and c.replays >= 2 * len(mels)   # front and tail replay, istft eager
+    assert c.eager_pieces == len(mels) and len(addresses) == 1
+    hoisted = [k for e in compiled.classes.values() for k in e.records["constants"]
+               if k["host_to_device"]]
+    assert hoisted  # the STFT window and the harmonic multipliers are no longer copied per call
