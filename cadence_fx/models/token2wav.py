@@ -134,6 +134,7 @@ class HiFTStep(nn.Module):
         self.mel_cache_len = mel_cache_len
         self.source_cache_len = mel_cache_len * 480
         window = torch.from_numpy(np.hamming(2 * self.source_cache_len))  # float64, as stock
+        window = window.to(next(hift.parameters()).device)
         self.register_buffer("speech_window", window, persistent=False)
 
     def forward(self, chunk_mel: torch.Tensor, hift_cache: Dict[str, torch.Tensor],
