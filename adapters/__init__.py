@@ -12,6 +12,7 @@ __all__ = ["get", "names"]
 _MODULES: Dict[str, str] = {
     "minicpmo-token2wav": "minicpmo_token2wav",
     "minicpmo-token2wav-hift": "minicpmo_token2wav",
+    "minicpmo-token2wav-flow": "minicpmo_token2wav",
     "moshi": "moshi",
     "personaplex": "moshi",
     "freeze-omni": "freeze_omni",

@@ -22,6 +22,8 @@ CLOCKS = {
     "cnn_context": 2, "conv_channels": 1024,
     # HiFT stream caches: 8 mel frames, 8 * 480 samples of source and speech
     "mel_bins": 80, "mel_cache": 8, "wave_cache": 3840, "samples_per_frame": 480,
+    # a flow call takes 25 new tokens + 3 look-ahead tokens
+    "chunk_tokens": 28,
 }
 
 ESTIMATOR_ATT = Region(
@@ -29,7 +31,7 @@ ESTIMATOR_ATT = Region(
     dim=4, retention=PromptRetained("f_prompt", "f_retained"), advance="f_chunk", ordering=PREPEND,
     shape=("n_steps", "dit_depth", "cfg_batch", "heads", None, "kv_width"),
     stock_shape=("stock_steps", 16, "cfg_batch", "heads", "stock_frames", "kv_width"),
-    envelope="att_cache_buffer")
+    envelope="att_cache_buffer", room="f_call")
 ESTIMATOR_CNN = Region(
     name="estimator_cnn_cache", input="cache.estimator_cnn_cache", output="1.estimator_cnn_cache",
     dim=4, retention=Ring("cnn_context"), advance="f_chunk", ordering=APPEND,
@@ -74,4 +76,12 @@ TOKEN2WAV_HIFT = dataclasses.replace(
     call_input="chunk_mel", call_dim=2,
     description="MiniCPM-o 4.5 Token2Wav vocoder (HiFT) with its mel/source/speech caches")
 
-ADAPTERS = {"minicpmo-token2wav": TOKEN2WAV, "minicpmo-token2wav-hift": TOKEN2WAV_HIFT}
+# The flow step (``cadence_fx.models.token2wav.FlowStep``: encoder + CFM + retention): three
+# fixed-address regions; the call width is counted in tokens.
+TOKEN2WAV_FLOW = dataclasses.replace(
+    TOKEN2WAV, name="minicpmo-token2wav-flow", regions=(ESTIMATOR_ATT, ESTIMATOR_CNN, CONFORMER_ATT),
+    call_frames=("chunk_tokens",), call_input="token", call_dim=1, admission="chunk_tokens",
+    description="MiniCPM-o 4.5 Token2Wav flow: conformer encoder + CFM decoder")
+
+ADAPTERS = {"minicpmo-token2wav": TOKEN2WAV, "minicpmo-token2wav-hift": TOKEN2WAV_HIFT,
+            "minicpmo-token2wav-flow": TOKEN2WAV_FLOW}

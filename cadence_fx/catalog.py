@@ -122,7 +122,7 @@ def build_catalog(adapter: Adapter) -> Catalog:
             declared = bound
         else:
             # Stock code that writes the pre-retention state into an envelope needs one call of room.
-            declared = bound + (max(widths) if r.envelope else 0)
+            declared = bound + (adapter.clocks[r.room or r.advance] if r.envelope else 0)
         stock = None
         if r.stock_shape is not None:
             stock = math.prod(adapter.dim_size(d, r) for d in r.stock_shape) * r.element_bytes

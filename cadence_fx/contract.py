@@ -77,8 +77,10 @@ class Region:
     ``input``/``output`` are the paths of the state in the step's arguments and results. ``shape``
     is the declared shape with ``None`` at the frame dimension (entries may be clock names);
     ``stock_shape`` is what the stock code reserves (its envelope) and ``envelope`` the module
-    buffer holding it, if any. ``fixed_address`` regions live in a carry whose ``data_ptr()`` never
-    changes for the stream's lifetime.
+    buffer holding it, if any. Stock code that writes the pre-retention state into its envelope
+    needs ``room`` (a clock: the most frames one call adds; ``advance`` if omitted) beyond the
+    retention bound. ``fixed_address`` regions live in a carry whose ``data_ptr()`` never changes
+    for the stream's lifetime.
     """
     name: str
     input: str
@@ -91,6 +93,7 @@ class Region:
     element_bytes: int = 4
     stock_shape: Optional[Tuple[Dim, ...]] = None
     envelope: Optional[str] = None
+    room: Optional[str] = None
     fixed_address: bool = True
 
 
@@ -205,6 +208,8 @@ class Adapter:
             raise ContractError(f"{where}: advance clock {r.advance!r} is 0; the region never grows")
         for c in r.retention.clocks():
             self.clock(c, who=f"region {r.name!r} (retention)")
+        if r.room is not None:
+            self.clock(r.room, who=f"region {r.name!r} (room)")
         if isinstance(r.retention, PromptRetained) and self.clocks[r.retention.retained] == 0:
             raise ContractError(f"{where}: retained clock {r.retention.retained!r} is 0; "
                                 "retention would keep no history")

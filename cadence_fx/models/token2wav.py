@@ -7,7 +7,8 @@ stand-in module is registered when onnxruntime is not installed. Weights are see
 real configuration; the layers the stock code zero-initialises are re-randomised, otherwise the
 computation would be trivial.
 
-``CFMStep`` is the thin step: ``CausalConditionalCFM.forward_chunk`` followed by the retention
+``FlowStep`` is the flow half of ``Token2wav.stream``: ``CausalMaskedDiffWithXvec.inference_chunk``
+(conformer encoder + CFM) and the retention of both attention caches. ``CFMStep`` is the thin step: ``CausalConditionalCFM.forward_chunk`` followed by the retention
 exactly as ``stepaudio2/token2wav.py`` applies it to ``estimator_att_cache`` (prompt + last 100
 frames, along dim 4). ``HiFTStep`` is the vocoder half of ``Token2wav.stream``: the stock
 ``HiFTGenerator`` with its mel/source/speech caches and the overlap fade; it draws device
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 __all__ = ["import_stock", "build_cfm", "CFMStep", "prime_cfm", "build_hift", "HiFTStep",
-           "empty_hift_cache"]
+           "empty_hift_cache", "build_flow", "FlowStep", "prime_flow"]
 
 DIT_CONFIG = dict(in_channels=320, out_channels=80, mlp_ratio=4, num_heads=8, head_dim=64,
                   hidden_size=512)
@@ -51,7 +52,9 @@ def import_stock() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         flow_matching=importlib.import_module("stepaudio2.cosyvoice2.flow.flow_matching"),
         decoder_dit=importlib.import_module("stepaudio2.cosyvoice2.flow.decoder_dit"),
-        hifigan=importlib.import_module("stepaudio2.flashcosyvoice.modules.hifigan"))
+        hifigan=importlib.import_module("stepaudio2.flashcosyvoice.modules.hifigan"),
+        flow=importlib.import_module("stepaudio2.cosyvoice2.flow.flow"),
+        encoder=importlib.import_module("stepaudio2.cosyvoice2.transformer.upsample_encoder_v2"))
 
 
 def build_cfm(depth: int = 16, *, seed: int = 0, device="cpu", cfg_rate: float = 0.7) -> nn.Module:
@@ -164,3 +167,63 @@ def _fade_in_out(fade_in_mel, fade_out_mel, window):
         fade_in_mel[..., :mel_overlap_len] * window[:mel_overlap_len] + \
         fade_out_mel[..., -mel_overlap_len:] * window[mel_overlap_len:]
     return fade_in_mel
+
+
+ENCODER_CONFIG = dict(input_size=512, output_size=512, attention_heads=8, linear_units=2048,
+                      num_blocks=6, num_up_blocks=4, pre_lookahead_len=3, up_stride=2)
+
+
+def build_flow(depth: int = 16, *, blocks=(6, 4), seed: int = 0, device="cpu") -> nn.Module:
+    """``CausalMaskedDiffWithXvec``: the real UpsampleConformerEncoderV2 (512 wide, 8 heads, 2048
+    FFN, 6 + 4 blocks, look-ahead 3, up-stride 2) and the CFM decoder at ``depth``, random
+    weights. ``blocks`` = (blocks before, after upsampling) shrinks the encoder for CPU tests."""
+    stock = import_stock()
+    torch.manual_seed(seed)
+    config = dict(ENCODER_CONFIG, num_blocks=blocks[0], num_up_blocks=blocks[1])
+    encoder = stock.encoder.UpsampleConformerEncoderV2(**config)
+    flow = stock.flow.CausalMaskedDiffWithXvec(
+        input_size=512, output_size=80, spk_embed_dim=192, vocab_size=6561, encoder=encoder,
+        decoder=build_cfm(depth, seed=seed))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in flow.named_parameters():
+            if not name.startswith("decoder."):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return flow.to(device).eval()
+
+
+class FlowStep(nn.Module):
+    """One streaming chunk of the flow, then Token2Wav's retention of both attention caches
+    (``Token2wav.stream``: prompt + last 100 frames, dims 4 and 3)."""
+
+    def __init__(self, flow: nn.Module, prompt_frames: int = 302, retained_frames: int = 100,
+                 n_timesteps: int = 10):
+        super().__init__()
+        self.flow = flow
+        self.prompt_frames, self.retained_frames, self.n_timesteps = (
+            prompt_frames, retained_frames, n_timesteps)
+
+    def forward(self, token, spk, cache: Dict[str, torch.Tensor], last_chunk: bool = False):
+        mel, cache = self.flow.inference_chunk(token=token, spk=spk, cache=cache,
+                                               last_chunk=last_chunk, n_timesteps=self.n_timesteps)
+        p, r = self.prompt_frames, self.retained_frames
+        cache = dict(cache)
+        if cache["estimator_att_cache"].shape[4] > p + r:
+            att = cache["estimator_att_cache"]
+            cache["estimator_att_cache"] = torch.cat([att[:, :, :, :, :p], att[:, :, :, :, -r:]], dim=4)
+        if cache["conformer_att_cache"].shape[3] > p + r:
+            att = cache["conformer_att_cache"]
+            cache["conformer_att_cache"] = torch.cat([att[:, :, :, :p, :], att[:, :, :, -r:, :]], dim=3)
+        return mel, cache
+
+
+def prime_flow(step: FlowStep, *, seed: int = 1, device="cpu"):
+    """``setup_cache`` on a synthetic prompt (151 tokens + 3 look-ahead, 302 mel frames), eager
+    by construction; returns ``(spk, prompt state)``, the state cloned as a caller keeps it."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 6561, (1, step.prompt_frames // 2 + 3), generator=g).to(device)
+    mel = torch.randn(1, step.prompt_frames, 80, generator=g).to(device)
+    spk = torch.randn(1, 192, generator=g).to(device)
+    with torch.inference_mode():
+        state = step.flow.setup_cache(tokens, mel, spk, n_timesteps=step.n_timesteps)
+    return spk, {k: v.clone() for k, v in state.items()}

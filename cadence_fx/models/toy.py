@@ -76,7 +76,7 @@ PROMPT_RETAINED_ADAPTER = Adapter(
                     retention=PromptRetained("f_prompt", "f_retained"), advance="f_chunk",
                     ordering=PREPEND, shape=("layers", "batch", "heads", None, "kv_width"),
                     stock_shape=("layers", "batch", "heads", "stock_frames", "kv_width"),
-                    envelope="att_cache_buffer"),),
+                    envelope="att_cache_buffer", room="f_call"),),
     call_frames=("f_chunk", "f_call"), call_input="x", call_dim=1, admission="f_chunk",
     description="Token2Wav-style toy: prepend attention cache, prompt + retained history")
 
