@@ -76,12 +76,11 @@ def test_torch_compile_backend_is_bit_exact_and_keeps_the_carry():
 
 
 def test_backend_needs_an_adapter():
-    torch._dynamo.reset()
-    model = PromptRetainedToy()
-    compiled = torch.compile(model, backend="cadence", dynamic=False)
-    with pytest.raises(Exception, match="needs options"):
-        with torch.no_grad():
-            compiled(torch.randn(1, 24, 64), None)
+    from cadence_fx.backend import cadence_backend
+    from cadence_fx.errors import ContractError
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(ContractError, match='needs options=\\{"adapter"'):
+        cadence_backend(gm, [torch.randn(1, 2)])
 
 
 def test_report_shows_catalog_rewrites_and_graph():
