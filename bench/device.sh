@@ -20,6 +20,9 @@ fi
 if [[ $STEP == all || $STEP == demo ]]; then
   cadence-fx demo --model toy --device cuda --json 2>&1 | tee "$OUT/demo-toy-cuda.json"
 fi
+if [[ $STEP == chunk ]]; then
+  python3 bench/token2wav_chunk.py --out "$OUT/token2wav-chunk.json" ${BENCH_ARGS:-} 2>&1 | tail -60
+fi
 if [[ $STEP == all || $STEP == bench ]]; then
   python3 bench/replay.py --out "$OUT/bench-replay.json" ${BENCH_ARGS:-} 2>&1 | tail -80
 fi
