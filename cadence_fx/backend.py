@@ -6,18 +6,22 @@ maps the adapter's paths onto its placeholders (``cache.att`` is the input whose
 ``L['cache']['att']``) and outputs, and runs the same pipeline as ``cadence_fx.compile`` on it: the
 graph is re-traced to aten level by make_fx, so the kernels stay those of stock eager.
 
-Limits: dynamo flattens the step's results, so a region's output is found by its shape (the one
-result whose non-frame dims match the declaration); when that is ambiguous the region is left out
-and the report says so. Use ``dynamic=False``: the catalog wants exact shapes, not symbolic ones.
+Limits: dynamo flattens the step's results, so a region's output is found by elimination: the one
+result with the declared shape, an extent the region can hold, and the region's input among its
+ancestors; when that is ambiguous, or the step updates the state in place and returns its input
+(dynamo hands that back outside the graph), the region is left out and the log says so. One
+compiled model serves one stream: its graphs share one set of carries. Use ``dynamic=False``: the catalog wants exact shapes, not symbolic ones.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from typing import Dict, List, Optional
 
 import torch
 
+from .catalog import build_catalog
 from .contract import Adapter
 from .errors import ContractError
 
@@ -76,21 +80,58 @@ def _map_adapter(adapter: Adapter, gm: torch.fx.GraphModule, step: _DynamoStep) 
             log.warning("region %s: no graph input has source %s; left out", r.name, src)
             continue
         want = [None if i == r.dim else adapter.dim_size(d, r) for i, d in enumerate(r.shape)]
+        # the new state: the result with the declared shape and an extent the region can hold
+        region_input = next(n for n in placeholders if n.name == by_source[src])
+        if _written_in_place(gm, region_input):
+            log.warning("region %s: the step writes its state in place and returns it; dynamo "
+                        "hands that back outside the graph, so the region is left out -- "
+                        "cadence_fx.compile handles that case", r.name)
+            continue
+        cat = build_catalog(adapter).region(r.name)
         hits = [i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)
-                and _matches(o.meta.get("example_value"), want, r.dim)]
+                and _matches(o.meta.get("example_value"), want, r.dim)
+                and cat.lower <= o.meta["example_value"].shape[r.dim] <= cat.declared_extent]
+        if len(hits) > 1:  # ancestry breaks ties (it cannot see writes into an envelope buffer)
+            hits = [i for i in hits if _depends_on(outputs[i], region_input)]
         if len(hits) != 1:
-            log.warning("region %s: %d graph results match its declared shape; left out",
-                        r.name, len(hits))
+            log.warning("region %s: %d graph results can be its new state (a step that updates "
+                        "the state in place and returns its input hands it back outside the "
+                        "graph); left out -- cadence_fx.compile handles that case", r.name, len(hits))
             continue
         regions.append(dataclasses.replace(r, input=by_source[src], output=str(hits[0])))
     if not regions:
-        raise ContractError(f"adapter {adapter.name!r}: none of its regions maps onto this dynamo "
-                            "graph's inputs and outputs; check the region input paths")
+        raise ContractError(f"adapter {adapter.name!r}: no region maps onto this dynamo graph "
+                            "(an input whose source matches the region's input path, and exactly "
+                            "one result that can be its new state); see the log, or use "
+                            "cadence_fx.compile on the step directly")
     call_input = adapter.call_input
     if call_input is not None:
         call_input = by_source.get(_source_name(call_input))
-    return dataclasses.replace(adapter, regions=tuple(regions), call_input=call_input,
-                               call_frames=adapter.call_frames if call_input else ())
+        if call_input is None:
+            raise ContractError(f"adapter {adapter.name!r}: no graph input has the source of "
+                                f"call_input {adapter.call_input!r}; fix call_input")
+    return dataclasses.replace(adapter, regions=tuple(regions), call_input=call_input)
+
+
+def _written_in_place(gm: torch.fx.GraphModule, target: torch.fx.Node) -> bool:
+    for n in gm.graph.nodes:
+        if not n.args or n.args[0] is not target:
+            continue
+        if (n.op == "call_method" and n.target.endswith("_")) or n.target is operator.setitem:
+            return True
+    return False
+
+
+def _depends_on(node: torch.fx.Node, ancestor: torch.fx.Node) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is ancestor:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False
 
 
 def _matches(v, want, dim) -> bool:

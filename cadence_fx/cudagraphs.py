@@ -6,8 +6,9 @@ States of a piece: not lowered -> (warm-up + probe, capture) -> replaying, or ea
   generator watched: host randomness rejects the piece for good; device randomness is admitted.
   Then the generators and every input the piece writes are put back, so the warm-up is invisible.
 * Capture records the piece into a pool shared by all classes of one compiled step.
-* Aliasing: inputs marked fixed-address (carries, parameters, buffers) are read in place; every
-  other tensor input is copied into a static staging buffer before each replay.
+* Aliasing: inputs marked fixed-address (carries, parameters, buffers, and views of them) are read
+  in place; every other tensor input is copied into a static staging buffer before each replay,
+  and copied back after it when the piece writes that input in place.
 * Output lifetime: results that leave the step are cloned after replay unless they are views of a
   fixed-address input (the carry), so a caller may hold a chunk's output while the next runs.
   ``copy_outputs=False`` skips that (results are then overwritten by the next replay).
@@ -22,6 +23,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from .effects import RngSnapshot, TensorSnapshot
+from .fx_utils import is_mutating, mutated_arg, view_chain
 
 __all__ = ["CudaGraphBackend"]
 
@@ -45,7 +47,9 @@ class CudaGraphBackend:
             return None, "no CUDA tensor among the piece's inputs"
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        piece.staging_bytes = 0
         written = [a for a, w in zip(args, piece.mutated) if w and isinstance(a, torch.Tensor)]
+        written += _mutated_attributes(piece.module)  # module state the warm-up must not advance
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -99,6 +103,9 @@ class CudaGraphBackend:
                  for o, esc in zip(outs, piece.escaping)]
         staged = [i for i, (a, f) in enumerate(zip(args, piece.fixed))
                   if isinstance(a, torch.Tensor) and not f]
+        # a staged input the piece writes in place: the write lands in the staging buffer, so it
+        # is copied back to the caller's tensor after every replay
+        write_back = [i for i in staged if piece.mutated[i]]
         log.debug("%s captured: %d staged inputs (%d bytes)", piece.piece_name, len(staged),
                   piece.staging_bytes)
 
@@ -106,7 +113,20 @@ class CudaGraphBackend:
             for i in staged:
                 static[i].copy_(call_args[i])
             graph.replay()
+            for i in write_back:
+                call_args[i].copy_(static[i])
             return tuple(o.clone() if c else o for o, c in zip(outs, clone))
 
         replay.graph = graph
         return replay, None
+
+
+def _mutated_attributes(gm: torch.fx.GraphModule) -> List[torch.Tensor]:
+    """Tensors held as attributes (module state) that the piece writes in place."""
+    found = []
+    for n in gm.graph.nodes:
+        target = mutated_arg(n) if is_mutating(n) else None
+        base = view_chain(target)[0] if target is not None else None
+        if base is not None and base.op == "get_attr":
+            found.append(getattr(gm, base.target))
+    return found

@@ -107,6 +107,9 @@ def dead_code_elimination(graph: Graph) -> int:
             continue
         if node.op == "call_function" and (is_mutating(node) or node.target in SIDE_EFFECTS):
             continue
+        if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload) \
+                and node.target is not operator.getitem:
+            continue  # a Python callable (an autocast switch, a hook) may act by side effect
         if node.op == "call_function" and node.target is not operator.getitem:
             tags = getattr(node.target, "tags", ())
             if torch.Tag.nondeterministic_seeded in tags:

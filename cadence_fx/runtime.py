@@ -25,9 +25,9 @@ from .context import Carry, PassContext, RegionBinding
 from .contract import Adapter
 from .counters import Counters
 from .effects import RngSnapshot, TensorSnapshot
-from .errors import ContractError, GuardError
+from .errors import ContractError, GuardError, TraceError
 from .fx_utils import is_mutating, mutated_arg, view_chain
-from .pipeline import Options, build_pipeline, run_pipeline
+from .pipeline import Options, PassFailed, build_pipeline, run_pipeline
 from .replay import EagerBackend
 from .tracing import (InputSpec, TracedStep, bind_arguments, global_signature, leaves_with_paths,
                       module_state_tensors, tensor_signature, trace_step)
@@ -79,6 +79,15 @@ class CompiledStep:
         self._extents = {r.name: set(self.catalog.region(r.name).extents) for r in adapter.regions}
         self._classes_ok = {e for e, _ in self.catalog.classes}
         self._pipeline = build_pipeline(options)
+        self._excluded = None  # Criterion 3.5: a catalog too wide to specialise runs stock
+        wide = [r for r in self.catalog.regions if not r.admissible]
+        if wide:
+            self._excluded = "; ".join(
+                f"region {r.name!r} has K = {r.K} signature classes, over the width limit "
+                f"{adapter.width_limit} (Criterion 3.5)" for r in wide) + ": the step runs stock"
+            if strict:
+                raise GuardError(f"strict mode: {self._excluded}")
+            log.warning("%s", self._excluded)
         self._fn = step.forward if isinstance(step, torch.nn.Module) else step
         # tensor attributes the adapter declares constant (e.g. HiFT's ``stft_window``)
         self._constant_ids = {id(t) for name, t in module_state_tensors(module).items()
@@ -122,17 +131,22 @@ class CompiledStep:
         snapshot = TensorSnapshot([c.tensor for c in self.carries.values()]
                                   + list(self._private.values()))
         rng, counters = RngSnapshot(), copy.deepcopy(self.counters)
-        entry, by_path, _ = self._select(args, kwargs)
-        if entry is not None:
-            written = TensorSnapshot([v for v in by_path.values() if isinstance(v, torch.Tensor)]
-                                     + [c.tensor for c in self.carries.values()]
-                                     + list(self._private.values()))
-            self._run(entry, by_path)
-            written.restore()
-        snapshot.restore()
-        rng.restore()
-        for f in dataclasses.fields(counters):  # preparing is not traffic: counters stay put
-            setattr(self.counters, f.name, getattr(counters, f.name))
+        entry = None
+        try:
+            entry, by_path, _ = self._select(args, kwargs)
+            if entry is not None:
+                written = TensorSnapshot(
+                    [v for v in by_path.values() if isinstance(v, torch.Tensor)]
+                    + [c.tensor for c in self.carries.values()] + list(self._private.values()))
+                try:
+                    self._run(entry, by_path)
+                finally:
+                    written.restore()
+        finally:
+            snapshot.restore()
+            rng.restore()
+            for f in dataclasses.fields(counters):  # preparing is not traffic: counters stay put
+                setattr(self.counters, f.name, getattr(counters, f.name))
         return entry is not None
 
     def capture_catalog(self, *args, **kwargs) -> Dict[Tuple, bool]:
@@ -170,6 +184,8 @@ class CompiledStep:
         return done
 
     def _admission(self, by_path) -> Optional[str]:
+        if self._excluded:
+            return self._excluded
         extents = []
         for r in self.adapter.regions:
             t = by_path.get(r.input)
@@ -284,13 +300,28 @@ class CompiledStep:
         if self.strict:
             raise GuardError(f"strict mode: {reason}")
         self.counters.fallback(reason)
-        return self.step(*args, **kwargs)
+        # The stock step writes the module's own buffers where compiled calls write private
+        # copies: hand it the latest values, and take its writes back, so the two stay one buffer.
+        with torch.no_grad():
+            for name, private in self._private.items():
+                self._buffers[name].copy_(private)
+        result = self.step(*args, **kwargs)
+        with torch.no_grad():
+            for name, private in self._private.items():
+                private.copy_(self._buffers[name])
+        return result
 
     # -- compiling one class ----------------------------------------------------------------
     def _compile_class(self, key, named) -> ClassEntry:
         rng = RngSnapshot()  # tracing runs the step's Python code: keep its draws invisible
         try:
             traced = trace_step(self.module, self._fn, named, tracing_mode=self.tracing_mode)
+        except TraceError as e:
+            if self.strict:
+                raise
+            log.warning("class %s runs the stock step: %s", key[0], e)
+            self._rejected[key] = f"could not be traced: {e}"
+            return None
         finally:
             rng.restore()
         self.counters.traces += 1
@@ -317,7 +348,14 @@ class CompiledStep:
                           module_buffers=self._buffers, verify=self.verify, auditor=self.auditor,
                           backend=self.backend, counters=self.counters, strict=self.strict,
                           constant_ids=self._constant_ids)
-        gm = run_pipeline(gm, ctx, self._pipeline)
+        try:
+            gm = run_pipeline(gm, ctx, self._pipeline)
+        except PassFailed as e:
+            if self.strict:
+                raise
+            log.warning("class %s runs the stock step: %s", key[0], e)
+            self._rejected[key] = str(e)
+            return None
         # Buffers the rewritten step still writes get a private copy: the user's module is never
         # written by the compiled path (envelopes replaced by carries are gone by now).
         unsplit = ctx.records.get("graph", gm)
@@ -436,9 +474,10 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
     shares the carry store of another compiled step of the same stream. ``copy_outputs=False``
     hands out replayed results in place (overwritten by the next replay) instead of cloning them.
     """
-    if tracing_mode not in ("fake", "real"):
-        raise ValueError(f"tracing_mode {tracing_mode!r}: cadence_fx traces exact shapes, one graph "
-                         "per catalog signature; use 'fake' (default) or 'real'")
+    if tracing_mode != "fake":
+        raise ValueError(f"tracing_mode {tracing_mode!r}: cadence_fx traces exact shapes with fake "
+                         "tensors, one graph per catalog signature (a 'real' trace would run the "
+                         "step and write the user's module); use 'fake'")
     if isinstance(adapter, str):
         from cadence_fx import adapters
         adapter = adapters.get(adapter)

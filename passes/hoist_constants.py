@@ -45,11 +45,16 @@ def hoist_constants(gm: GraphModule, ctx: PassContext, max_bytes: int = MAX_BYTE
                   if is_mutating(n) and not _metadata_only(n) and mutated_arg(n) is not None)
     unsafe.discard(None)
     const: Set[Node] = set()
+    mode_depth = 0  # inside an autocast block of the step: evaluating it later would lose the mode
     for n in gm.graph.nodes:
-        if n.op == "get_attr" and (_literal(n) or id(_fetch(gm, n.target)) in ctx.constant_ids):
+        if n.op == "call_function" and n.target is torch.amp.autocast_mode._enter_autocast:
+            mode_depth += 1
+        elif n.op == "call_function" and n.target is torch.amp.autocast_mode._exit_autocast:
+            mode_depth -= 1
+        elif n.op == "get_attr" and (_literal(n) or id(_fetch(gm, n.target)) in ctx.constant_ids):
             const.add(n)
-        elif (n.op == "call_function" and _pure(n) and storage_key(n) not in unsafe
-              and all(a in const for a in n.all_input_nodes)):
+        elif (n.op == "call_function" and mode_depth == 0 and _pure(n)
+              and storage_key(n) not in unsafe and all(a in const for a in n.all_input_nodes)):
             const.add(n)
     frontier = [n for n in gm.graph.nodes if n in const and n.op == "call_function"
                 and any(u not in const for u in n.users)]

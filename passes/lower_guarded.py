@@ -20,7 +20,7 @@ from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
 from cadence_fx.context import PassContext
-from cadence_fx.fx_utils import is_mutating, mutated_arg, view_chain
+from cadence_fx.fx_utils import is_mutating, mutated_arg, storage_key, view_chain
 from cadence_fx.replay import EagerBackend, GuardedPiece
 
 __all__ = ["lower_guarded"]
@@ -32,6 +32,16 @@ def lower_guarded(gm: GraphModule, ctx: PassContext) -> PassResult:
     placeholders = ctx.placeholders(gm)
     fixed_nodes = {n: f"{spec.kind} {spec.name}" for n, spec in zip(placeholders, ctx.inputs)
                    if spec.kind in FIXED_KINDS}
+    # a view of contract-owned storage made by an earlier piece is just as fixed: same address
+    # every call of the class (the guard checks it), and writes through it must reach the owner
+    by_storage = {storage_key(n): name for n, name in fixed_nodes.items() if storage_key(n)}
+    for b in ctx.regions:  # the carry pass knows every fake storage that stands for a carry
+        by_storage.update({key: f"carry {b.region.name}" for key in b.storages})
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node not in fixed_nodes:
+            name = by_storage.get(storage_key(node))
+            if name is not None:
+                fixed_nodes[node] = f"view of {name}"
     pieces = {p["name"]: p for p in ctx.records["pieces"]}
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     leaving = set(output.all_input_nodes)

@@ -1,0 +1,168 @@
+"""Runtime edge cases: state the step keeps in its module, fallbacks in the middle of a stream,
+steps that cannot be traced, catalogs too wide to specialise. On the CPU, and on CUDA where
+device graphs change the picture (marked gpu)."""
+import pytest
+import torch
+from torch import nn
+
+import cadence_fx
+from cadence_fx.contract import APPEND, Adapter, Region, SlidingWindow
+from cadence_fx.errors import GuardError
+from cadence_fx.models.toy import RING_ADAPTER, RingToy
+
+ADAPTER = Adapter(name="edge", clocks={"ctx": 2, "f_chunk": 4, "dim": 8, "batch": 1},
+                  regions=(Region(name="c", input="cache", output="1", dim=2,
+                                  retention=SlidingWindow("ctx", start="ctx"), advance="f_chunk",
+                                  ordering=APPEND, shape=("batch", "dim", None)),),
+                  call_frames=("f_chunk",), call_input="x", call_dim=2, admission="f_chunk")
+
+
+class PositionBuffer(nn.Module):
+    """Advances a position buffer in place every call (a frame counter, a rotary offset)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv1d(8, 8, 3)
+        self.register_buffer("pos", torch.zeros(1))
+
+    def forward(self, x, cache):
+        xc = torch.cat([cache, x], 2)
+        y = self.conv(xc) + self.pos
+        self.pos.add_(x.shape[2])
+        return y, xc[:, :, -2:]
+
+
+class PositionAttribute(PositionBuffer):
+    """The same counter held in a plain attribute (streaming state, as Moshi keeps it)."""
+
+    def __init__(self):
+        super().__init__()
+        del self.pos
+        self.pos = torch.zeros(1)
+
+    def to(self, device):
+        super().to(device)
+        self.pos = self.pos.to(device)
+        return self
+
+
+class HostBranch(PositionBuffer):
+    def forward(self, x, cache):
+        if float(x.sum().item()) > 1e9:  # Python control flow on a value: cannot be traced
+            x = x * 2
+        return super().forward(x, cache)
+
+
+def _loop(step, xs, device="cpu"):
+    cache, ys = torch.zeros(1, 8, 2, device=device), []
+    for x in xs:
+        with torch.no_grad():
+            y, cache = step(x, cache)
+        ys.append(y.clone())
+    return ys, cache.clone()
+
+
+def _xs(widths, device="cpu"):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(1, 8, w, generator=g).to(device) for w in widths]
+
+
+def test_fallback_in_mid_stream_keeps_module_buffers_in_step():
+    xs = _xs([4, 4, 6, 4, 4])  # the 6-frame call is not admitted: it runs the stock step
+    ref = _loop(PositionBuffer(), xs)
+    compiled = cadence_fx.compile(PositionBuffer(), ADAPTER)
+    got = _loop(compiled, xs)
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0]))
+    assert compiled.counters.fallbacks == 1
+
+
+def test_module_state_attribute_is_advanced_once_per_call():
+    xs = _xs([4] * 5)
+    stock, model = PositionAttribute(), PositionAttribute()
+    ref = _loop(stock, xs)
+    got = _loop(cadence_fx.compile(model, ADAPTER), xs)
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0]))
+    assert torch.equal(stock.pos, model.pos)
+
+
+def test_untraceable_class_runs_stock_with_the_reason():
+    xs = _xs([4] * 3)
+    ref = _loop(HostBranch(), xs)
+    compiled = cadence_fx.compile(HostBranch(), ADAPTER)
+    got = _loop(compiled, xs)
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0]))
+    assert compiled.counters.traces == 0 and compiled.counters.fallbacks == 3
+    assert any("could not be traced" in r for r in compiled.counters.reasons)
+    with pytest.raises(cadence_fx.TraceError):
+        cadence_fx.compile(HostBranch(), ADAPTER, strict=True)(xs[0], torch.zeros(1, 8, 2))
+
+
+def test_catalog_too_wide_runs_stock():
+    wide = ADAPTER.with_clocks(ctx=200)
+    wide = Adapter(**{**{f: getattr(wide, f) for f in ("name", "clocks", "call_frames",
+                                                       "call_input", "call_dim", "admission")},
+                      "regions": (Region(name="c", input="cache", output="1", dim=2,
+                                         retention=SlidingWindow("ctx"), advance="unit",
+                                         ordering=APPEND, shape=("batch", "dim", None)),),
+                      "clocks": {**wide.clocks, "unit": 1}})
+    compiled = cadence_fx.compile(PositionBuffer(), wide)
+    xs = _xs([4])
+    assert torch.equal(_loop(PositionBuffer(), xs)[0][0], _loop(compiled, xs)[0][0])
+    assert compiled.counters.traces == 0
+    assert any("K = 201" in r and "Criterion 3.5" in r for r in compiled.counters.reasons)
+    with pytest.raises(GuardError, match="width limit"):
+        cadence_fx.compile(PositionBuffer(), wide, strict=True)
+
+
+def test_real_tracing_mode_is_refused():
+    with pytest.raises(ValueError, match="use 'fake'"):
+        cadence_fx.compile(PositionBuffer(), ADAPTER, tracing_mode="real")
+
+
+
+
+@pytest.mark.parametrize("cls", [PositionBuffer, PositionAttribute])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warm_up_does_not_advance_state_on_cuda(cls):
+    xs = _xs([4] * 6, "cuda")
+    ref = _loop(cls().to("cuda"), xs, "cuda")
+    compiled = cadence_fx.compile(cls().to("cuda"), ADAPTER)
+    got = _loop(compiled, xs, "cuda")
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0]))
+    assert compiled.counters.replays == len(xs)
+
+
+class HostOffset(RingToy):
+    """A host copy of the offset first: an eager piece splits the graph, so the carry view and
+    the write into it reach the next piece as inputs."""
+
+    def forward(self, x, kv, offset):
+        host = offset.cpu()
+        y, kv, off = super().forward(x, kv, offset)
+        return y, kv, off, host
+
+
+@pytest.mark.parametrize("cls,options", [(RingToy, {"state_rule": False}), (HostOffset, {})])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_in_place_writes_reach_their_owner_on_replay(cls, options):
+    def stream(step):
+        g = torch.Generator().manual_seed(0)
+        kv = torch.zeros(2, 1, 2, 16, 16, device="cuda")
+        off, ys = torch.zeros(1, dtype=torch.long, device="cuda"), []
+        for _ in range(20):
+            with torch.no_grad():
+                r = step(torch.randn(1, 1, 32, generator=g).cuda(), kv, off)
+            ys.append(r[0].clone())
+            kv, off = r[1], r[2]
+        return ys, kv.clone()
+
+    torch.manual_seed(0)
+    ref = stream(cls().cuda())
+    torch.manual_seed(0)
+    compiled = cadence_fx.compile(cls().cuda(), RING_ADAPTER, **options)
+    got = stream(compiled)
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0])) and torch.equal(ref[1], got[1])
+    assert compiled.counters.replays > 0
