@@ -2,7 +2,6 @@
 (graphs=False) and the replayed graph, chunk by chunk, with max |diff| of mel and state."""
 import argparse
 import json
-import os
 from collections import Counter
 
 import torch

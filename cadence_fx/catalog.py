@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from .errors import ContractError
-from .contract import Adapter, PromptRetained, Region, Ring, SlidingWindow
+from .contract import Adapter, PromptRetained, Region, Ring
 
 __all__ = ["RegionCatalog", "Catalog", "build_catalog"]
 

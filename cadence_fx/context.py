@@ -3,7 +3,7 @@ nodes, the carries, and a record of every rewrite for the report."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch.fx import GraphModule, Node

@@ -23,7 +23,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from .effects import RngSnapshot, TensorSnapshot
-from .fx_utils import is_mutating, mutated_arg, view_chain
+from .fx_utils import mutated_attributes
 
 __all__ = ["CudaGraphBackend"]
 
@@ -49,7 +49,7 @@ class CudaGraphBackend:
             self.pool = torch.cuda.graph_pool_handle()
         piece.staging_bytes = 0
         written = [a for a, w in zip(args, piece.mutated) if w and isinstance(a, torch.Tensor)]
-        written += _mutated_attributes(piece.module)  # module state the warm-up must not advance
+        written += mutated_attributes(piece.module)  # module state the warm-up must not advance
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -120,13 +120,3 @@ class CudaGraphBackend:
         replay.graph = graph
         return replay, None
 
-
-def _mutated_attributes(gm: torch.fx.GraphModule) -> List[torch.Tensor]:
-    """Tensors held as attributes (module state) that the piece writes in place."""
-    found = []
-    for n in gm.graph.nodes:
-        target = mutated_arg(n) if is_mutating(n) else None
-        base = view_chain(target)[0] if target is not None else None
-        if base is not None and base.op == "get_attr":
-            found.append(getattr(gm, base.target))
-    return found

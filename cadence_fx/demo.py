@@ -114,7 +114,7 @@ def run_demo(model: str = "toy", device: str = "cpu", chunks: int = 16, verify: 
     warm = (compiled.counters.replays, compiled.counters.fallbacks)
     second, compiled_peak = _timed_runs(compiled, inputs, prompt_state, call, reset_at, dev, runs=1)
     compiled_runs = [first] + second
-    ref, (outs, times, addresses) = stock_runs[1][0], compiled_runs[1]
+    ref, times = stock_runs[1][0], compiled_runs[1][1]
     runs = [r[0] for r in compiled_runs]
     audited = None
     if verify:  # a third pass with the shadow auditor on every carry write (it syncs: not timed)

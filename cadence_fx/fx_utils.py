@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import operator
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 from torch.fx import Graph, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["aten", "VIEW_OPS", "is_mutating", "mutated_arg", "view_chain", "slice_bounds",
-           "val", "dead_code_elimination", "SIDE_EFFECTS", "storage_key", "returns_self"]
+           "val", "dead_code_elimination", "SIDE_EFFECTS", "storage_key", "returns_self",
+           "mutated_attributes"]
 
 aten = torch.ops.aten
 INT_MAX = 2 ** 63 - 1
@@ -122,3 +123,14 @@ def dead_code_elimination(graph: Graph) -> int:
 def users_after(node: Node, nodes: Iterable[Node]) -> List[Node]:
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     return [u for u in nodes if order[u] > order[node]]
+
+
+def mutated_attributes(gm) -> List[torch.Tensor]:
+    """Tensors a graph module holds as attributes (module state) that its graph writes in place."""
+    found = []
+    for n in gm.graph.nodes:
+        target = mutated_arg(n) if is_mutating(n) else None
+        base = view_chain(target)[0] if target is not None else None
+        if base is not None and base.op == "get_attr":
+            found.append(getattr(gm, base.target))
+    return found

@@ -8,7 +8,7 @@ lowering time with the call: tensor signatures, and the addresses of fixed-addre
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import html
 from typing import Dict, List
 
-import torch
-
 from .fx_utils import aten, view_chain
 
 __all__ = ["Report"]

@@ -26,7 +26,7 @@ from .contract import Adapter
 from .counters import Counters
 from .effects import RngSnapshot, TensorSnapshot
 from .errors import ContractError, GuardError, TraceError
-from .fx_utils import is_mutating, mutated_arg, view_chain
+from .fx_utils import is_mutating, mutated_arg, mutated_attributes, view_chain
 from .pipeline import Options, PassFailed, build_pipeline, run_pipeline
 from .replay import EagerBackend
 from .tracing import (InputSpec, TracedStep, bind_arguments, global_signature, leaves_with_paths,
@@ -386,7 +386,7 @@ class CompiledStep:
         leaves = dict(leaves_with_paths(named)[0])
         written += [leaves[s.name] for s in _mutated_args(placeholders, traced.inputs)]
         written += [c.tensor for c in self.carries.values()]
-        written += _mutated_attributes(traced.gm)  # module state in plain tensor attributes
+        written += mutated_attributes(traced.gm)  # module state in plain tensor attributes
         state, rng = TensorSnapshot(written), RngSnapshot()
         try:
             with torch.no_grad():
@@ -441,17 +441,6 @@ def _mutated_buffers(placeholders, inputs, kind: str = "buffer") -> List[InputSp
             spec = index.get(base)
             if spec is not None and spec.kind == kind and spec not in found:
                 found.append(spec)
-    return found
-
-
-def _mutated_attributes(gm: torch.fx.GraphModule) -> List[torch.Tensor]:
-    found = []
-    for n in gm.graph.nodes:
-        if is_mutating(n):
-            target = mutated_arg(n)
-            base = view_chain(target)[0] if target is not None else None
-            if base is not None and base.op == "get_attr":
-                found.append(getattr(gm, base.target))
     return found
 
 

@@ -20,7 +20,7 @@ import dataclasses
 import inspect
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree

@@ -24,7 +24,6 @@ Needs ``meta["val"]`` on the traced nodes. Invariant: the graph's outputs equal 
 """
 from __future__ import annotations
 
-import operator
 import warnings
 from typing import List, Optional, Tuple
 

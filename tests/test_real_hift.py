@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import cadence_fx
-from cadence_fx import adapters
 
 token2wav = pytest.importorskip("cadence_fx.models.token2wav")
 try:
