@@ -73,6 +73,7 @@ def _map_adapter(adapter: Adapter, gm: torch.fx.GraphModule, step: _DynamoStep) 
             by_source[name() if callable(name) else name] = n.name
     outputs = list(gm.graph.output_node().args[0]) if hasattr(gm.graph, "output_node") else \
         list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    catalog = build_catalog(adapter)
     regions = []
     for r in adapter.regions:
         src = _source_name(r.input)
@@ -87,7 +88,7 @@ def _map_adapter(adapter: Adapter, gm: torch.fx.GraphModule, step: _DynamoStep) 
                         "hands that back outside the graph, so the region is left out -- "
                         "cadence_fx.compile handles that case", r.name)
             continue
-        cat = build_catalog(adapter).region(r.name)
+        cat = catalog.region(r.name)
         hits = [i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)
                 and _matches(o.meta.get("example_value"), want, r.dim)
                 and cat.lower <= o.meta["example_value"].shape[r.dim] <= cat.declared_extent]

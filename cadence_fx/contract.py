@@ -10,7 +10,6 @@ name, ``"cache.estimator_att_cache"`` a dict entry inside it, ``"2"`` the third 
 from __future__ import annotations
 
 import dataclasses
-import math
 from types import MappingProxyType
 from typing import Mapping, Optional, Tuple, Union
 
@@ -244,6 +243,3 @@ class Adapter:
         if r.element_bytes not in (1, 2, 4, 8):
             raise ContractError(f"{where}: element_bytes {r.element_bytes} is not a dtype width")
 
-    def element_count(self, r: Region, frames: int) -> int:
-        sizes = [frames if i == r.dim else self.dim_size(d, r) for i, d in enumerate(r.shape)]
-        return math.prod(sizes)

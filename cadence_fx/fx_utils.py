@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Iterable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch.fx import Graph, Node
@@ -10,7 +10,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["aten", "VIEW_OPS", "is_mutating", "mutated_arg", "view_chain", "slice_bounds",
            "val", "dead_code_elimination", "SIDE_EFFECTS", "storage_key", "returns_self",
-           "mutated_attributes"]
+           "mutated_attributes", "written_bases"]
 
 aten = torch.ops.aten
 INT_MAX = 2 ** 63 - 1
@@ -120,17 +120,17 @@ def dead_code_elimination(graph: Graph) -> int:
     return removed
 
 
-def users_after(node: Node, nodes: Iterable[Node]) -> List[Node]:
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    return [u for u in nodes if order[u] > order[node]]
+
+def written_bases(graph: Graph) -> List[Node]:
+    """The nodes whose storage the graph writes in place (through any view), in graph order."""
+    found: dict = {}
+    for n in graph.nodes:
+        target = mutated_arg(n) if is_mutating(n) else None
+        if target is not None:
+            found.setdefault(view_chain(target)[0], None)
+    return list(found)
 
 
 def mutated_attributes(gm) -> List[torch.Tensor]:
     """Tensors a graph module holds as attributes (module state) that its graph writes in place."""
-    found = []
-    for n in gm.graph.nodes:
-        target = mutated_arg(n) if is_mutating(n) else None
-        base = view_chain(target)[0] if target is not None else None
-        if base is not None and base.op == "get_attr":
-            found.append(getattr(gm, base.target))
-    return found
+    return [getattr(gm, b.target) for b in written_bases(gm.graph) if b.op == "get_attr"]

@@ -42,6 +42,9 @@ class GuardedPiece(torch.nn.Module):
         self.reasons = list(reasons)
         self.fixed_names = list(fixed)    # per input: the contract-owned storage it is, or None
         self.fixed = [f is not None for f in fixed]
+        # the replay guard touches only these: staged inputs by signature, fixed ones by address
+        self._staged = tuple(i for i, f in enumerate(self.fixed) if not f)
+        self._aliased = tuple(i for i, f in enumerate(self.fixed) if f)
         self.mutated = list(mutated)      # per input: the piece writes it
         self.escaping = list(escaping)    # per output: it leaves the step
         self.backend = backend
@@ -59,8 +62,8 @@ class GuardedPiece(torch.nn.Module):
             self.counters.eager_pieces += 1
             return self.module(*args)
         if self.signature is None:
-            self.signature = _signature([a for a, f in zip(args, self.fixed) if not f])
-            self.addresses = _addresses(args, self.fixed)
+            self.signature = self._staged_signature(args)
+            self.addresses = self._addresses(args)
             self.replay, self.eager_reason = self.backend.lower(self, args)
             if self.eager_reason:
                 log.warning("%s stays eager: %s", self.piece_name, self.eager_reason)
@@ -78,10 +81,9 @@ class GuardedPiece(torch.nn.Module):
     def guard(self, args) -> Optional[str]:
         """Why this call may not replay, or None. Plain comparisons against the recording:
         the staged inputs' signatures, and the fixed-address inputs' ``data_ptr``."""
-        if len(args) != len(self.fixed) or _signature(
-                [a for a, f in zip(args, self.fixed) if not f]) != self.signature:
+        if len(args) != len(self.fixed) or self._staged_signature(args) != self.signature:
             return "signature differs from the captured one"
-        now = _addresses(args, self.fixed)
+        now = self._addresses(args)
         if now != self.addresses:
             moved = [n for n, a, b in zip([n for n in self.fixed_names if n], now, self.addresses)
                      if a != b]
@@ -102,10 +104,13 @@ class GuardedPiece(torch.nn.Module):
         return self.module(*args)
 
 
-def _signature(args) -> Tuple:
-    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
-                 else ("value", a) for a in args)
+    def _staged_signature(self, args) -> Tuple:
+        sig = []
+        for i in self._staged:
+            a = args[i]
+            sig.append((a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
+                       else ("value", a))
+        return tuple(sig)
 
-
-def _addresses(args, fixed) -> Tuple:
-    return tuple(a.data_ptr() for a, f in zip(args, fixed) if f and isinstance(a, torch.Tensor))
+    def _addresses(self, args) -> Tuple:
+        return tuple(args[i].data_ptr() for i in self._aliased if isinstance(args[i], torch.Tensor))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import logging
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -26,7 +27,7 @@ from .contract import Adapter
 from .counters import Counters
 from .effects import RngSnapshot, TensorSnapshot
 from .errors import ContractError, GuardError, TraceError
-from .fx_utils import is_mutating, mutated_arg, mutated_attributes, view_chain
+from .fx_utils import mutated_attributes, written_bases
 from .pipeline import Options, PassFailed, build_pipeline, run_pipeline
 from .replay import EagerBackend
 from .tracing import (InputSpec, TracedStep, bind_arguments, global_signature, leaves_with_paths,
@@ -89,6 +90,9 @@ class CompiledStep:
                 raise GuardError(f"strict mode: {self._excluded}")
             log.warning("%s", self._excluded)
         self._fn = step.forward if isinstance(step, torch.nn.Module) else step
+        self._arguments = inspect.signature(self._fn)  # bound on every call: inspect it once
+        self._declared = {r.name: [None if i == r.dim else adapter.dim_size(d, r)
+                                   for i, d in enumerate(r.shape)] for r in adapter.regions}
         # tensor attributes the adapter declares constant (e.g. HiFT's ``stft_window``)
         self._constant_ids = {id(t) for name, t in module_state_tensors(module).items()
                               if name.rsplit(".", 1)[-1] in adapter.constants}
@@ -104,8 +108,7 @@ class CompiledStep:
 
     def _select(self, args, kwargs):
         """Admission, absorption into the carries, and the class entry (traced on first sight)."""
-        named = bind_arguments(self._fn, args, kwargs)
-        leaves, _ = leaves_with_paths(named)
+        leaves, spec = leaves_with_paths(bind_arguments(self._arguments, args, kwargs))
         by_path = dict(leaves)
         reason = self._admission(by_path)
         if reason is not None:
@@ -114,12 +117,12 @@ class CompiledStep:
             for r in self.adapter.regions:
                 if r.input in by_path and r.fixed_address:
                     by_path[r.input] = self._absorb(r, by_path[r.input])
-        named = _replace_leaves(named, by_path)
-        key = self._signature(named)
+        key = self._signature(by_path, spec)
         if key in self._rejected:
             return None, by_path, self._rejected[key]
         entry = self.classes.get(key)
         if entry is None:
+            named = pytree.tree_unflatten([by_path[p] for p, _ in leaves], spec)
             entry = self._compile_class(key, named)
             if entry is None:
                 return None, by_path, self._rejected[key]
@@ -159,7 +162,7 @@ class CompiledStep:
         traffic (``inference_mode``/``no_grad``, autocast): they are part of every signature.
         Returns ``{(extents, width): compiled}``.
         """
-        named = bind_arguments(self._fn, args, kwargs)
+        named = bind_arguments(self._arguments, args, kwargs)
         by_path = dict(leaves_with_paths(named)[0])
         ad = self.adapter
         x = by_path.get(ad.call_input) if ad.call_input else None
@@ -216,15 +219,13 @@ class CompiledStep:
         """The state must have the declared shape outside the frame dim. Stock code may reserve
         more rows than it ever writes (Token2Wav's 16 solver-step slots for 10 steps): larger dims
         are accepted when the rows beyond the declaration hold zeros; absorption drops them."""
-        if not r.shape:
+        carry = self.carries.get(r.name)
+        if not r.shape or (carry is not None and carry.holds(t)):
             return
-        want = [None if i == r.dim else self.adapter.dim_size(d, r) for i, d in enumerate(r.shape)]
+        want = self._declared[r.name]
         got = list(t.shape)
         bad = len(got) != len(want) or any(w is not None and w > g for w, g in zip(want, got))
         if not bad:
-            carry = self.carries.get(r.name)
-            if carry is not None and carry.holds(t):
-                return
             for i, (w, g) in enumerate(zip(want, got)):
                 if w is not None and g > w and t.narrow(i, w, g - w).any():
                     bad = True
@@ -259,16 +260,15 @@ class CompiledStep:
         self.counters.absorptions += 1
         return carry.view(frames)
 
-    def _signature(self, named) -> Tuple:
-        leaves, spec = leaves_with_paths(named)
-        parts = []
-        extents = tuple(named_leaf(leaves, r.input).shape[r.dim] for r in self.adapter.regions)
+    def _signature(self, by_path, spec) -> Tuple:
+        """Class key (extents, width), then every leaf's signature and the global modes."""
+        extents = tuple(by_path[r.input].shape[r.dim] for r in self.adapter.regions)
         width = None
         if self.adapter.call_input is not None:
-            width = named_leaf(leaves, self.adapter.call_input).shape[self.adapter.call_dim]
-        for path, v in leaves:
-            parts.append((path, tensor_signature(v) if isinstance(v, torch.Tensor) else repr(v)))
-        return ((extents, width), tuple(parts), global_signature(), str(spec))
+            width = by_path[self.adapter.call_input].shape[self.adapter.call_dim]
+        parts = tuple((path, tensor_signature(v) if isinstance(v, torch.Tensor) else repr(v))
+                      for path, v in by_path.items())
+        return ((extents, width), parts, global_signature(), str(spec))
 
     def _input(self, spec: InputSpec, by_path):
         if spec.kind == "param":
@@ -359,9 +359,8 @@ class CompiledStep:
         # Buffers the rewritten step still writes get a private copy: the user's module is never
         # written by the compiled path (envelopes replaced by carries are gone by now).
         unsplit = ctx.records.get("graph", gm)
-        for spec in _mutated_buffers([n for n in unsplit.graph.nodes if n.op == "placeholder"],
-                                     ctx.inputs):
-            if spec.name not in self._private:
+        for spec in _written_inputs(unsplit, ctx.inputs):
+            if spec.kind == "buffer" and spec.name not in self._private:
                 self._private[spec.name] = self._buffers[spec.name].detach().clone()
         # eq. (6), this class: with the regions aliased, only the other tensor arguments are staged
         ctx.records["staging_predicted"] = sum(
@@ -381,10 +380,9 @@ class CompiledStep:
     def _probe_effects(self, traced: TracedStep, named) -> Optional[str]:
         """The probationary eager call (§3.4 (iii)): run the stock step once, watching every
         generator, then put back generators and everything the step writes."""
-        placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
-        written = [self._buffers[s.name] for s in _mutated_buffers(placeholders, traced.inputs)]
         leaves = dict(leaves_with_paths(named)[0])
-        written += [leaves[s.name] for s in _mutated_args(placeholders, traced.inputs)]
+        written = [self._buffers[s.name] if s.kind == "buffer" else leaves[s.name]
+                   for s in _written_inputs(traced.gm, traced.inputs) if s.kind in ("buffer", "arg")]
         written += [c.tensor for c in self.carries.values()]
         written += mutated_attributes(traced.gm)  # module state in plain tensor attributes
         state, rng = TensorSnapshot(written), RngSnapshot()
@@ -419,33 +417,16 @@ class CompiledStep:
                 f"counters={self.counters.as_dict()})")
 
 
-def named_leaf(leaves, path):
-    for p, v in leaves:
-        if p == path:
-            return v
-    raise KeyError(path)
-
-
 def _replace_leaves(named, by_path):
     leaves, spec = leaves_with_paths(named)
     return pytree.tree_unflatten([by_path.get(p, v) for p, v in leaves], spec)
 
 
-def _mutated_buffers(placeholders, inputs, kind: str = "buffer") -> List[InputSpec]:
-    index = {n: s for n, s in zip(placeholders, inputs)}
-    found = []
-    for n in placeholders[0].graph.nodes:
-        if is_mutating(n):
-            target = mutated_arg(n)
-            base = view_chain(target)[0] if target is not None else None
-            spec = index.get(base)
-            if spec is not None and spec.kind == kind and spec not in found:
-                found.append(spec)
-    return found
-
-
-def _mutated_args(placeholders, inputs) -> List[InputSpec]:
-    return _mutated_buffers(placeholders, inputs, kind="arg")
+def _written_inputs(gm: torch.fx.GraphModule, inputs: List[InputSpec]) -> List[InputSpec]:
+    """The inputs (by spec) whose storage the graph writes in place."""
+    written = set(written_bases(gm.graph))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [spec for n, spec in zip(placeholders, inputs) if n in written]
 
 
 def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str], *,

@@ -98,9 +98,10 @@ def module_state_tensors(module: torch.nn.Module, depth: int = 3) -> Dict[str, t
     return found
 
 
-def bind_arguments(fn: Callable, args: Sequence, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """Name every argument of a call the way region paths name them."""
-    sig = inspect.signature(fn)
+def bind_arguments(fn, args: Sequence, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Name every argument of a call (``fn``: a callable or its ``inspect.Signature``) the way
+    region paths name them."""
+    sig = fn if isinstance(fn, inspect.Signature) else inspect.signature(fn)
     bound = sig.bind(*args, **kwargs)
     out = dict(bound.arguments)
     for name, p in sig.parameters.items():

@@ -20,7 +20,7 @@ from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
 from cadence_fx.context import PassContext
-from cadence_fx.fx_utils import is_mutating, mutated_arg, storage_key, view_chain
+from cadence_fx.fx_utils import storage_key, written_bases
 from cadence_fx.replay import EagerBackend, GuardedPiece
 
 __all__ = ["lower_guarded"]
@@ -67,11 +67,5 @@ def lower_guarded(gm: GraphModule, ctx: PassContext) -> PassResult:
 
 
 def _mutated_inputs(sub: GraphModule) -> List[bool]:
-    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    written = set()
-    for n in sub.graph.nodes:
-        if is_mutating(n):
-            target = mutated_arg(n)
-            if target is not None:
-                written.add(view_chain(target)[0])
-    return [p in written for p in placeholders]
+    written = set(written_bases(sub.graph))
+    return [n in written for n in sub.graph.nodes if n.op == "placeholder"]

@@ -62,14 +62,18 @@ def build_cfm(depth: int = 16, *, seed: int = 0, device="cpu", cfg_rate: float =
     stock = import_stock()
     torch.manual_seed(seed)
     dit = stock.decoder_dit.DiT(depth=depth, **DIT_CONFIG)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in dit.named_parameters():
-            # re-randomise everything, the adaLN-Zero and output layers included
-            scale = 0.02 if p.dim() > 1 else 0.01
-            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    # re-randomise everything, the adaLN-Zero and output layers included
+    _randomize(dit.parameters(), seed, lambda p, r: r * (0.02 if p.dim() > 1 else 0.01))
     cfm = stock.flow_matching.CausalConditionalCFM(dit, inference_cfg_rate=cfg_rate)
     return cfm.to(device).eval()
+
+
+def _randomize(params, seed: int, value) -> None:
+    """Seeded random weights: each parameter ``p`` becomes ``value(p, standard normal draw)``."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(value(p, torch.randn(p.shape, generator=g)))
 
 
 class CFMStep(nn.Module):
@@ -111,10 +115,7 @@ def build_hift(*, seed: int = 0, device="cpu") -> nn.Module:
     stock = import_stock()
     torch.manual_seed(seed)
     hift = stock.hifigan.HiFTGenerator()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in hift.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05 + (0.05 if p.dim() == 1 else 0.0))
+    _randomize(hift.parameters(), seed, lambda p, r: r * 0.05 + (0.05 if p.dim() == 1 else 0.0))
     return hift.to(device).eval()
 
 
@@ -184,11 +185,8 @@ def build_flow(depth: int = 16, *, blocks=(6, 4), seed: int = 0, device="cpu") -
     flow = stock.flow.CausalMaskedDiffWithXvec(
         input_size=512, output_size=80, spk_embed_dim=192, vocab_size=6561, encoder=encoder,
         decoder=build_cfm(depth, seed=seed))
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in flow.named_parameters():
-            if not name.startswith("decoder."):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    _randomize((p for name, p in flow.named_parameters() if not name.startswith("decoder.")),
+               seed + 1, lambda p, r: r * 0.02)
     return flow.to(device).eval()
 
 
