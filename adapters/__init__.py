@@ -14,6 +14,7 @@ _MODULES: Dict[str, str] = {
     "minicpmo-token2wav-hift": "minicpmo_token2wav",
     "minicpmo-token2wav-flow": "minicpmo_token2wav",
     "moshi": "moshi",
+    "moshi-mimi": "moshi",
     "personaplex": "moshi",
     "freeze-omni": "freeze_omni",
     "llm-backbone": "llm_backbone",

@@ -24,15 +24,20 @@ The depformer's KV cache (context 8) is scratch: ``LMGen`` enters and leaves ``d
 within every step, so it is not persistent state and is not declared. Sampling draws device randomness
 (``exponential_``/``multinomial`` on the LM's device), hence ``Effects(device_rng=True)``.
 
-Paths (the step functions come later): ``step(pcm, state) -> (pcm_out, state)``, where ``pcm`` is
-(batch, 1, 1920) fp32 and ``state`` a dict of the stacked state tensors below, returned as result 1
-after being written in place:
+Steps (``cadence_fx/models/moshi.py``, thin wrappers that bind an explicit state dict into the stock
+streaming dataclasses): ``MoshiStep.forward(pcm, state) -> (pcm_out, tokens, state)`` for the
+full frame (Mimi encode, ``LMGen._step``, Mimi decode) and ``MimiStep.forward(pcm, state) ->
+(codes, pcm_out, state)`` for the codec alone (adapter ``moshi-mimi``). ``pcm`` is (batch, 1, 1920)
+fp32; the regions are entries of ``state`` (result 2, written in place):
 
 - ``state.lm_kv``: (lm_layers, 2, batch, lm_heads, lm_context, lm_head_dim) bf16, the 32 per-layer ring
   caches stacked (each layer's ``RingKVCache.cache`` a view of one slice, so the carry *is* the ring).
 - ``state.mimi_encoder_kv`` / ``state.mimi_decoder_kv``: (mimi_layers, 2, batch, mimi_heads, 250, 64).
 - ``state.mimi_conv_in``: (batch, 1, 6), the encoder input conv's ``previous``.
 - ``state.lm_token_ring``: (batch, 17, 3) int64, ``LMGen``'s delayed-token cache.
+
+The rest of the stock state (ring write offsets, conv ``previous``/``partial`` of the inner SEANet
+layers, execution masks: a few hundred bytes each) travels in the same dict as plain arguments.
 
 Stock shapes equal the declared ones (rho = 1): these caches are already right-sized by the vendor, so
 here the carry degenerates to the vendor's ring buffers, as the paper notes.
@@ -43,7 +48,7 @@ import dataclasses
 
 from cadence_fx.contract import APPEND, Adapter, Effects, Region, Ring, SlidingWindow
 
-__all__ = ["ADAPTERS", "CLOCKS", "MOSHI", "PERSONAPLEX"]
+__all__ = ["ADAPTERS", "CLOCKS", "MOSHI", "MIMI", "PERSONAPLEX"]
 
 CLOCKS = {
     # time: one call = one 12.5 Hz frame = 1920 samples at 24 kHz
@@ -62,26 +67,26 @@ _LM_KV_SHAPE = ("lm_layers", 2, "batch", "lm_heads", None, "lm_head_dim")
 _MIMI_KV_SHAPE = ("mimi_layers", 2, "batch", "mimi_heads", None, "mimi_head_dim")
 
 LM_KV = Region(
-    name="lm_kv", input="state.lm_kv", output="1.lm_kv", dim=4,
+    name="lm_kv", input="state.lm_kv", output="2.lm_kv", dim=4,
     retention=Ring("lm_context"), advance="lm_steps_per_call", ordering=APPEND,
     shape=_LM_KV_SHAPE, element_bytes=2,
     stock_shape=("lm_layers", 2, "batch", "lm_heads", "lm_context", "lm_head_dim"))
 MIMI_ENCODER_KV = Region(
-    name="mimi_encoder_kv", input="state.mimi_encoder_kv", output="1.mimi_encoder_kv", dim=4,
+    name="mimi_encoder_kv", input="state.mimi_encoder_kv", output="2.mimi_encoder_kv", dim=4,
     retention=Ring("mimi_context"), advance="mimi_steps_per_call", ordering=APPEND,
     shape=_MIMI_KV_SHAPE,
     stock_shape=("mimi_layers", 2, "batch", "mimi_heads", "mimi_context", "mimi_head_dim"))
 MIMI_DECODER_KV = dataclasses.replace(
     MIMI_ENCODER_KV, name="mimi_decoder_kv", input="state.mimi_decoder_kv",
-    output="1.mimi_decoder_kv")
+    output="2.mimi_decoder_kv")
 MIMI_CONV_IN = Region(
-    name="mimi_conv_in", input="state.mimi_conv_in", output="1.mimi_conv_in", dim=2,
+    name="mimi_conv_in", input="state.mimi_conv_in", output="2.mimi_conv_in", dim=2,
     # zero-filled at full size when streaming starts: the extent is the window from the first call
     retention=SlidingWindow("conv_in_left", start="conv_in_left"), advance="frame_samples",
     ordering=APPEND, shape=("batch", "audio_channels", None),
     stock_shape=("batch", "audio_channels", "conv_in_left"))
 LM_TOKEN_RING = Region(
-    name="lm_token_ring", input="state.lm_token_ring", output="1.lm_token_ring", dim=2,
+    name="lm_token_ring", input="state.lm_token_ring", output="2.lm_token_ring", dim=2,
     retention=Ring("token_ring"), advance="lm_steps_per_call", ordering=APPEND,
     shape=("batch", "token_streams", None), element_bytes=8,
     stock_shape=("batch", "token_streams", "token_ring"))
@@ -100,4 +105,9 @@ PERSONAPLEX = dataclasses.replace(
     MOSHI, name="personaplex",
     description="PersonaPlex: Moshi architecture (Mimi codec + 7B LM with ring KV caches)")
 
-ADAPTERS = {"moshi": MOSHI, "personaplex": PERSONAPLEX}
+MIMI = dataclasses.replace(
+    MOSHI, name="moshi-mimi", regions=(MIMI_ENCODER_KV, MIMI_DECODER_KV, MIMI_CONV_IN),
+    effects=Effects(),
+    description="Mimi codec alone: streaming encode + decode of one 1920-sample frame")
+
+ADAPTERS = {"moshi": MOSHI, "moshi-mimi": MIMI, "personaplex": PERSONAPLEX}

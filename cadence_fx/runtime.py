@@ -75,8 +75,8 @@ class CompiledStep:
         self.classes: Dict[Tuple, ClassEntry] = {}
         self._private: Dict[str, torch.Tensor] = {}
         self._rejected: Dict[Tuple, str] = {}   # classes that run the stock step, with the reason
-        self._params = dict(module.named_parameters(remove_duplicate=False))
-        self._buffers = dict(module.named_buffers(remove_duplicate=False))
+        self._params = dict(module.named_parameters())
+        self._buffers = dict(module.named_buffers())
         self._extents = {r.name: set(self.catalog.region(r.name).extents) for r in adapter.regions}
         self._classes_ok = {e for e, _ in self.catalog.classes}
         self._pipeline = build_pipeline(options)
@@ -313,6 +313,9 @@ class CompiledStep:
 
     # -- compiling one class ----------------------------------------------------------------
     def _compile_class(self, key, named) -> ClassEntry:
+        # stock code may register buffers lazily, after ``compile`` (Mimi's codebook cache)
+        self._params.update(self.module.named_parameters())
+        self._buffers.update(self.module.named_buffers())
         rng = RngSnapshot()  # tracing runs the step's Python code: keep its draws invisible
         try:
             traced = trace_step(self.module, self._fn, named, tracing_mode=self.tracing_mode)

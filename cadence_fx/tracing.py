@@ -144,8 +144,11 @@ class _StepModule(torch.nn.Module):
 def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any], *,
                tracing_mode: str = "fake") -> TracedStep:
     """Trace ``fn(**named_args)`` with ``module``'s parameters and buffers lifted to placeholders."""
-    params = dict(module.named_parameters(remove_duplicate=False))
-    buffers = dict(module.named_buffers(remove_duplicate=False))
+    # one placeholder per tensor: a module registered under two names shares its weights, and
+    # ``functional_call`` ties the other names to the one passed (swapping both names separately
+    # could leave a fake tensor behind in the user's module)
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
     leaves, in_spec = leaves_with_paths(named_args)
     arg_tensors = [(p, v) for p, v in leaves if isinstance(v, torch.Tensor)]
     inputs = ([InputSpec("param", n) for n in params] + [InputSpec("buffer", n) for n in buffers]
@@ -161,7 +164,7 @@ def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any]
         values = [next(it) if isinstance(v, torch.Tensor) else v for _, v in leaves]
         kwargs = pytree.tree_unflatten(values, in_spec)
         result = torch.func.functional_call(wrapper, {f"inner.{k}": v for k, v in state.items()},
-                                            (), kwargs, tie_weights=False, strict=False)
+                                            (), kwargs, tie_weights=True, strict=False)
         out_leaves, out_spec = leaves_with_paths(result)
         holder["out"] = (out_leaves, out_spec)
         return [v for _, v in out_leaves if isinstance(v, torch.Tensor)]
@@ -172,17 +175,27 @@ def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any]
         # Tensors held in plain attributes (module state such as a step counter or a streaming
         # cache) enter the trace as real constants, and ops on them run for real while tracing:
         # put them back afterwards so that a trace has no effects.
+        # Stock code may also register a buffer lazily (Mimi's codebook ``_embedding``): one
+        # registered while tracing would hold a fake tensor, so every buffer slot is put back.
         state_tensors = TensorSnapshot(module_state_tensors(module).values())
+        slots = [(m, dict(m._buffers)) for m in module.modules()]
         try:
             with torch.no_grad():
                 gm = make_fx(flat_step, tracing_mode=tracing_mode, pre_dispatch=True,
                              _allow_non_fake_inputs=True)(*example)
         finally:
             state_tensors.restore()
+            for m, saved in slots:
+                if m._buffers.keys() != saved.keys() or any(
+                        m._buffers[k] is not v for k, v in saved.items()):
+                    m._buffers.clear()
+                    m._buffers.update(saved)
     except Exception as e:  # noqa: BLE001 - re-raised with the signature that failed
-        shapes = {p: tuple(v.shape) for p, v in arg_tensors}
-        raise TraceError(f"make_fx could not trace the step at argument shapes {shapes}: "
-                         f"{type(e).__name__}: {e}") from e
+        shapes = ", ".join(f"{p}: {tuple(v.shape)}" for p, v in arg_tensors[:6])
+        if len(arg_tensors) > 6:
+            shapes += f", ... ({len(arg_tensors)} tensor arguments)"
+        raise TraceError(f"make_fx could not trace the step at argument shapes {{{shapes}}}: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     out_leaves, out_spec = holder["out"]
     tensor_idx = [i for i, (_, v) in enumerate(out_leaves) if isinstance(v, torch.Tensor)]
     constants = {i: v for i, (_, v) in enumerate(out_leaves) if not isinstance(v, torch.Tensor)}

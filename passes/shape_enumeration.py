@@ -1,7 +1,8 @@
 """Shape-enumeration pass: check the graph's signature class against the catalog and partition it
 into capturable pieces and pieces that must stay eager, each eager piece with its reason.
 
-Cases that stay eager: host syncs (``.item()``, ``aten._local_scalar_dense``), copies to the host
+Cases that stay eager: host syncs (``.item()``, ``aten._local_scalar_dense``, indexing with a
+boolean mask), copies to the host
 (``.cpu()``) and host-side work inside a device step, host randomness (a random op on a CPU tensor
 while the step runs on an accelerator), data-dependent output shapes (``nonzero``, ``unique``),
 ops whose kernels check values on the host (``istft``), and Python callables such as the shadow
@@ -39,6 +40,10 @@ _HOST_SYNC = {aten._local_scalar_dense.default: "host sync (.item())",
 _MODE_SWITCHES = {torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_autocast,
                   torch.amp.autocast_mode._exit_autocast}
 _HOST_CHECKED = {aten.istft.default: "istft checks its window on the host (not capturable)"}
+# Indexing with a boolean mask turns the mask into indices with ``nonzero`` (a host sync), even when
+# the result's shape is static (``x[mask] = v``, as in Moshi's ``LMGen._step``).
+_INDEX_OPS = {aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default,
+              aten.index.Tensor}
 
 
 def eager_reason(node: Node, device: torch.device) -> Optional[str]:
@@ -56,6 +61,10 @@ def eager_reason(node: Node, device: torch.device) -> Optional[str]:
         return _HOST_SYNC[t]
     if t in _HOST_CHECKED:
         return _HOST_CHECKED[t]
+    if t in _INDEX_OPS and len(node.args) > 1 and any(
+            isinstance(i, Node) and val(i) is not None and val(i).dtype == torch.bool
+            for i in (node.args[1] or ())):
+        return f"boolean-mask indexing ({t.name()}) syncs with the host through nonzero"
     if torch.Tag.dynamic_output_shape in t.tags or torch.Tag.data_dependent_output in t.tags:
         return f"data-dependent output ({t.name()})"
     v = val(node)
