@@ -16,12 +16,13 @@ file. They follow the public inference code (VITA-MLLM/Freeze-Omni ``bin/inferen
   of L left chunks gives K = L + 1 (eq. 7), still admissible for L < 64.
 - Encoder size: 24 blocks, 1024 wide, 16 heads (head dim 64), fp32; these set bytes only, never K.
 
-Paths (the step function comes later): ``step(feats, state) -> (enc_out, state)`` with ``feats`` the
-(batch, 16, 80) new fbank frames and ``state`` a dict returned as result 1:
+Step: ``cadence_fx.models.freeze_omni.FreezeOmniEncoder.forward(feats, state) -> (enc_out, state)``
+with ``feats`` the (batch, 16, 80) new fbank frames and ``state`` a dict returned as result 1:
 
 - ``state.att_cache``: (layers, 2, batch, heads, frames, head_dim), the per-layer key/value buffers
   stacked; new frames are appended.
 - ``state.conv_left``: (batch, 3, 80), the last 3 fbank frames of the previous chunk.
+- ``state.offset``: (1,) int64, the frame position (a plain argument).
 
 Stock code grows the attention cache with ``torch.cat`` and slices it back each chunk (a new tensor per
 call) rather than over-reserving, so no stock envelope is declared. The final partial chunk is
