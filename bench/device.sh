@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call:  bash bench/device.sh  (writes under $OUT)
-# Needs the minicpmo wheel in .whl/ (pip wheel --no-deps minicpmo==0.1.2 -w .whl), carried along.
+# Steps: all (tests, demo, bench) | tests | demo | moshi | chunk | bench.
+# Needs the model wheels in .whl/, carried along:
+#   pip wheel --no-deps minicpmo==0.1.2 -w .whl && pip download --no-deps moshi==0.2.13 -d .whl
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -18,7 +20,13 @@ if [[ $STEP == all || $STEP == tests ]]; then
   CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m pytest -m gpu tests -v -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt"
 fi
 if [[ $STEP == all || $STEP == demo ]]; then
-  cadence-fx demo --model toy --device cuda --json 2>&1 | tee "$OUT/demo-toy-cuda.json"
+  for model in token2wav freeze-omni toy; do
+    cadence-fx demo --model $model --device cuda --json > "$OUT/demo-$model-cuda.json" 2> "$OUT/demo-$model-cuda.err"
+    echo "demo $model: rc $?"; head -c 1500 "$OUT/demo-$model-cuda.json"; tail -3 "$OUT/demo-$model-cuda.err"
+  done
+fi
+if [[ $STEP == moshi ]]; then
+  python3 bench/moshi_frame.py --out "$OUT/moshi-frame.json" ${BENCH_ARGS:-} 2>&1 | tail -80
 fi
 if [[ $STEP == chunk ]]; then
   python3 bench/token2wav_chunk.py --out "$OUT/token2wav-chunk.json" ${BENCH_ARGS:-} 2>&1 | tail -60

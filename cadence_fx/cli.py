@@ -56,6 +56,9 @@ def _demo(args) -> int:
     return 0 if result["bit_exact"] else 1
 
 
+MODELS = ("token2wav", "moshi", "freeze-omni", "toy")  # cadence_fx.demo.MODELS, without importing torch
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="cadence-fx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,9 +67,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.add_argument("--json", action="store_true")
     a.set_defaults(run=_analyze)
     d = sub.add_parser("demo", help="run a stream stock vs compiled and compare bit for bit")
-    d.add_argument("--model", default="toy", choices=["toy"])
+    d.add_argument("--model", default="token2wav", choices=list(MODELS),
+                   help="token2wav (default, real configuration), moshi, freeze-omni, or toy")
     d.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    d.add_argument("--chunks", type=int, default=16)
+    d.add_argument("--chunks", type=int, default=None,
+                   help="chunks in the stream (default: 4 on the CPU, 16 on CUDA and for the toy)")
     d.add_argument("--json", action="store_true")
     d.set_defaults(run=_demo)
     args = parser.parse_args(argv)

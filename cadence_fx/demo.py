@@ -1,95 +1,114 @@
-"""The demo: one stream through the stock step and through the compiled step, compared bit for bit.
+"""The demo: one stream through the stock path and through cadence_fx, compared bit for bit.
 
-A stream is a prompt-priming pass (stock, eager by construction), then chunks with a turn reset in
-the middle (the prompt state restored), a partial flush before the reset and a longer last call.
-Latency is per chunk: CUDA events on a GPU, ``perf_counter`` on the CPU; both paths run the stream
-once to warm up (the compiled path traces its classes then) and are timed on the second run.
+Models (``--model``):
+
+* ``token2wav`` (default): the real MiniCPM-o 4.5 / Step-Audio2 Token2Wav at its real
+  configuration (conformer encoder 6 + 4 blocks, DiT depth 16, 10 Euler steps, HiFT), random
+  weights. The prompt-priming pass (``setup_cache``, 302 frames) runs eager by construction and is
+  counted; then two turns of 28-token chunks, each turn restoring the prompt state and ending with
+  a last (flush) chunk. Each chunk is the flow step then the HiFT step, each compiled on its own.
+  On CUDA, deterministic kernels are pinned on both sides (stock HiFT is not reproducible
+  without them).
+* ``moshi``: Mimi encode + ``LMGen`` step + Mimi decode per 1920-sample frame (the loop of
+  ``moshi/server.py``); the 7B LM on CUDA, a 2-layer LM of the same code on the CPU (``config``
+  says which). A turn boundary calls the stock ``reset_streaming``; the compiled step restarts
+  from a fresh state.
+* ``freeze-omni``: the streaming conv + chunked-attention encoder (24 x 1024), 16 fbank frames
+  per call, a turn reset in the middle.
+* ``toy``: a prompt-retained attention toy with a partial flush and a longer last call.
+
+Each path runs the stream twice: the first pass warms up (the compiled path traces and captures
+its classes then), the second is timed per chunk -- CUDA events on a GPU, ``perf_counter`` on the
+CPU. On the CPU the compiled path is the rewritten graph on the guarded eager path; on CUDA it
+replays CUDA graphs.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import statistics
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 __all__ = ["run_demo", "MODELS"]
 
-MODELS = ("toy",)
+MODELS = ("token2wav", "moshi", "freeze-omni", "toy")
 
 
-def _toy(device, chunks):
-    from .models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
-    model = PromptRetainedToy(dim=256, heads=4, layers=4).to(device)
-    adapter = PROMPT_RETAINED_ADAPTER.with_clocks(layers=4, kv_width=2 * 256 // 4)
-    c = adapter.clocks
-    g = torch.Generator().manual_seed(7)
-    prompt = torch.randn(1, c["f_prompt"], 256, generator=g).to(device)
-    with torch.no_grad():
-        _, state = model(prompt, None)
-    prompt_state = {k: v.clone() for k, v in state.items()}
-    widths = _widths(chunks, c["f_chunk"], c["f_call"], partial=c["f_chunk"] // 2)
-    inputs = [((torch.randn(1, w, 256, generator=g).to(device),), {}) for w in widths]
-    return model, adapter, prompt_state, inputs, (lambda args, s: (*args, s))
+@dataclasses.dataclass
+class _Stream:
+    """A model's stream: ``stock(tick)``/``compiled(tick)`` run it once and return one output
+    per chunk (tensors or None, nested in tuples/dicts); ``tick(i)`` is called around chunk i."""
+    stock: Callable
+    compiled: Callable
+    steps: Dict[str, object]               # name -> CompiledStep
+    config: Dict
+    chunks: int
+    priming: Optional[Dict] = None         # eager-by-construction passes, counted
+    extra: Dict = dataclasses.field(default_factory=dict)
+    prepare_compiled: Optional[Callable] = None  # between the stock and compiled runs
+    equal: Optional[Callable] = None       # chunk output comparison (default: ``_same``)
+    audit: Optional[object] = None         # a CompiledStep with the shadow auditor on
 
 
-def _widths(chunks: int, chunk: int, last: int, partial: int) -> List[int]:
-    """Steady chunks, a partial flush ending the first turn, steady chunks, a longer last call."""
-    half = chunks // 2
-    first = [chunk] * (half - 1) + [partial]
-    second = [chunk] * (chunks - half - 1) + [last]
-    return first + second
+class _Clock:
+    """Per-chunk latency: ``tick(i)`` before and after chunk i."""
 
+    def __init__(self, dev: torch.device):
+        self.dev, self.times, self._open = dev, [], None
 
-def _run(step: Callable, inputs, prompt_state, call, reset_at: int, device) -> Tuple[list, list, set]:
-    outs, times, addresses = [], [], set()
-    state = prompt_state
-    for i, (args, kwargs) in enumerate(inputs):
-        if i == reset_at:
-            state = prompt_state  # turn boundary: restore the prompt state
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            result = step(*call(args, state), **kwargs)
-        if device.type == "cuda":
+    def __call__(self, i: int) -> None:
+        if self._open is None:
+            if self.dev.type == "cuda":
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                self._open = start
+            else:
+                self._open = time.perf_counter()
+            return
+        if self.dev.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
             end.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+            self.times.append(self._open.elapsed_time(end))
         else:
-            times.append((time.perf_counter() - t0) * 1e3)
-        out, state = result[0], result[1]
-        addresses.update(v.data_ptr() for v in state.values())
-        outs.append((out.clone(), {k: v.clone() for k, v in state.items()}))
-    return outs, times, addresses
+            self.times.append((time.perf_counter() - self._open) * 1e3)
+        self._open = None
 
 
-def _timed_runs(step, inputs, prompt_state, call, reset_at, dev, runs: int = 2):
-    """``runs`` passes over the stream; the allocator peak (CUDA) is taken over the last one."""
-    results = []
-    for i in range(runs):
-        if dev.type == "cuda" and i == runs - 1:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        results.append(_run(step, inputs, prompt_state, call, reset_at, dev))
-    peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
-    return results, peak
+def _clone(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_clone(v) for v in x)
+    return x
 
 
-def _p95(xs) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
 
 
-def _equal(a, b) -> bool:
+def _same_state(a, b) -> bool:
+    """``_same`` for ``(output, state)``, where stock state may keep rows the declaration leaves
+    out (an over-reserved envelope): those must be zero, the rest equal."""
     (ya, sa), (yb, sb) = a, b
-    if not torch.equal(ya, yb):
+    if not _same(ya, yb) or sa.keys() != sb.keys():
         return False
     for k in sa:
         x, y = sa[k], sb[k]
-        if x.shape != y.shape:  # undeclared stock rows must be zero (see the runtime)
-            cut = tuple(slice(0, s) for s in y.shape)
+        if x.shape != y.shape:
+            cut = tuple(slice(0, n) for n in y.shape)
             if not torch.equal(x[cut], y) or x.count_nonzero() != x[cut].count_nonzero():
                 return False
         elif not torch.equal(x, y):
@@ -97,53 +116,264 @@ def _equal(a, b) -> bool:
     return True
 
 
-def run_demo(model: str = "toy", device: str = "cpu", chunks: int = 16, verify: bool = True) -> Dict:
+def _p95(xs) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
+
+
+# -- models ------------------------------------------------------------------------------------
+
+def _token2wav(dev, chunks) -> _Stream:
     import cadence_fx
-    if chunks < 4:
-        raise ValueError("a demo stream needs at least 4 chunks (two turns of two)")
+    from .models.token2wav import FlowStep, HiFTStep, build_flow, build_hift, empty_hift_cache, prime_flow
+    depth, blocks = 16, (6, 4)
+    flow = FlowStep(build_flow(depth, blocks=blocks, device=dev))
+    hift = HiFTStep(build_hift(device=dev))
+    spk, prompt = prime_flow(flow, device=dev)   # setup_cache: eager by construction
+    turn = chunks // 2
+    last = ([False] * (turn - 1) + [True]) + ([False] * (chunks - turn - 1) + [True])
+    g = torch.Generator().manual_seed(5)
+    tokens = [torch.randint(0, 6561, (1, 28), generator=g).to(dev) for _ in last]
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.float32)) if dev.type == "cuda" \
+        else contextlib.nullcontext
+
+    def run(f, h, tick):
+        if dev.type == "cuda":
+            torch.cuda.manual_seed(1234)   # HiFT draws device randomness: same start both sides
+        torch.manual_seed(1234)
+        outs, state, cache = [], prompt, None
+        for i, tok in enumerate(tokens):
+            if i % turn == 0 and i // turn < 2:
+                state, cache = prompt, empty_hift_cache(dev)   # turn boundary
+            tick(i)
+            with torch.inference_mode():
+                with autocast():
+                    mel, state = f(tok, spk, state, last_chunk=last[i])
+                pcm, cache = h(mel, cache, last_chunk=last[i])
+            tick(i)
+            outs.append(_clone((mel, pcm)))
+        return outs
+
+    cflow = cadence_fx.compile(flow, "minicpmo-token2wav-flow")
+    chift = cadence_fx.compile(hift, "minicpmo-token2wav-hift")
+    resident = sum(b.numel() * b.element_size() for m in (flow, hift) for b in m.buffers())
+    return _Stream(
+        stock=lambda tick: run(flow, hift, tick), compiled=lambda tick: run(cflow, chift, tick),
+        steps={"flow": cflow, "hift": chift}, chunks=len(tokens),
+        config={"dit_depth": depth, "encoder_blocks": list(blocks), "n_timesteps": 10,
+                "prompt_frames": 302, "chunk_tokens": 28, "turns": 2,
+                "deterministic_kernels": dev.type == "cuda"},
+        priming={"setup_cache": {"calls": 1, "eager": 1,
+                                 "why": "cache-free prompt priming: no region state yet"}},
+        extra={"resident_stock": resident})
+
+
+def _moshi(dev, chunks) -> _Stream:
+    import cadence_fx
+    from .models import moshi as M
+    small = dev.type != "cuda"
+    mimi = M.build_mimi(device=dev)
+    lm_gen = M.build_lm_gen(device=dev, seed=1, overrides=M.SMALL_LM if small else None,
+                            dtype=torch.float32 if small else torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    frames = [(0.1 * torch.randn(1, 1, 1920, generator=g)).to(dev) for _ in range(chunks)]
+    reset_at = chunks // 2
+    holder = {}
+
+    def seed():
+        torch.manual_seed(5)
+        if dev.type == "cuda":
+            torch.cuda.manual_seed(5)
+
+    def stock(tick):
+        seed()
+        return M.stock_stream(mimi, lm_gen, frames, reset_at, on_frame=tick)
+
+    def compiled(tick):
+        seed()
+        step, cs = holder["step"], holder["compiled"]
+        outs, state = [], step.initial_state()
+        for i, frame in enumerate(frames):
+            if i == reset_at:
+                state = step.initial_state()
+            tick(i)
+            with torch.no_grad():
+                pcm, tokens, state = cs(frame, state)
+            tick(i)
+            outs.append(_clone((pcm, tokens)))
+        return outs
+
+    def prepare():  # the step keeps the modules streaming: built after the stock runs
+        step = M.MoshiStep(mimi, lm_gen)
+        from cadence_fx import adapters
+        adapter = adapters.get("moshi")
+        if small:
+            c = M.SMALL_LM
+            adapter = adapter.with_clocks(lm_layers=c["num_layers"], lm_heads=c["num_heads"],
+                                          lm_head_dim=c["dim"] // c["num_heads"])
+        holder["step"], holder["compiled"] = step, cadence_fx.compile(step, adapter)
+        stream.steps["frame"] = holder["compiled"]
+
+    stream = _Stream(stock=stock, compiled=compiled, steps={}, chunks=len(frames),
+                     config={"lm": "2-layer LM (SMALL_LM), fp32" if small else "7B LM (32 layers, 4096), bf16",
+                             "mimi": "real (SEANet + 8+8 transformer layers, 8 codebooks), fp32",
+                             "frame_samples": 1920, "turns": 2},
+                     prepare_compiled=prepare)
+    return stream
+
+
+def _freeze_omni(dev, chunks) -> _Stream:
+    import cadence_fx
+    from .models.freeze_omni import REAL_CONFIG, FreezeOmniEncoder
+    enc = FreezeOmniEncoder(**REAL_CONFIG).to(dev).eval()
+    g = torch.Generator().manual_seed(1)
+    feats = [torch.randn(1, 16, 80, generator=g).to(dev) for _ in range(chunks)]
+    reset_at = chunks // 2
+
+    def run(step, tick):
+        outs, state = [], enc.initial_state()
+        for i, f in enumerate(feats):
+            if i == reset_at:
+                state = enc.initial_state()
+            tick(i)
+            with torch.inference_mode():
+                y, state = step(f, state)
+            tick(i)
+            outs.append(_clone((y, state)))
+        return outs
+
+    compiled = cadence_fx.compile(enc, "freeze-omni")
+    return _Stream(stock=lambda tick: run(enc, tick), compiled=lambda tick: run(compiled, tick),
+                   steps={"encoder": compiled}, chunks=len(feats),
+                   config=dict(REAL_CONFIG, turns=2))
+
+
+def _toy(dev, chunks) -> _Stream:
+    import cadence_fx
+    from .models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
+    model = PromptRetainedToy(dim=256, heads=4, layers=4).to(dev)
+    adapter = PROMPT_RETAINED_ADAPTER.with_clocks(layers=4, kv_width=2 * 256 // 4)
+    c = adapter.clocks
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randn(1, c["f_prompt"], 256, generator=g).to(dev)
+    with torch.no_grad():
+        _, state = model(prompt, None)
+    prompt_state = {k: v.clone() for k, v in state.items()}
+    half = chunks // 2   # steady chunks, a partial flush ending the first turn, a longer last call
+    widths = ([c["f_chunk"]] * (half - 1) + [c["f_chunk"] // 2]
+              + [c["f_chunk"]] * (chunks - half - 1) + [c["f_call"]])
+    xs = [torch.randn(1, w, 256, generator=g).to(dev) for w in widths]
+    addresses: Dict[str, set] = {"stock": set(), "compiled": set(), "audit": set()}
+
+    def run(step, tick, key):
+        outs, state = [], prompt_state
+        for i, x in enumerate(xs):
+            if i == half:
+                state = prompt_state   # turn boundary: restore the prompt state
+            tick(i)
+            with torch.inference_mode():
+                y, state = step(x, state)
+            tick(i)
+            addresses[key].update(v.data_ptr() for v in state.values())
+            outs.append(_clone((y, state)))
+        return outs
+
+    compiled = cadence_fx.compile(model, adapter)
+    stream = _Stream(stock=lambda tick: run(model, tick, "stock"),
+                     compiled=lambda tick: run(compiled, tick, "compiled"),
+                     steps={"step": compiled}, chunks=len(xs),
+                     config={"dim": 256, "heads": 4, "layers": 4, "widths": widths},
+                     priming={"prompt": {"calls": 1, "eager": 1, "why": "no state yet"}})
+    stream.extra["addresses"] = addresses
+    stream.extra["resident_stock"] = sum(b.numel() * b.element_size() for b in model.buffers())
+    stream.audit = cadence_fx.compile(model, adapter, verify=True)
+    stream.extra["audit_run"] = lambda tick: run(stream.audit, tick, "audit")
+    stream.equal = _same_state
+    return stream
+
+
+_BUILDERS = {"token2wav": _token2wav, "moshi": _moshi, "freeze-omni": _freeze_omni, "toy": _toy}
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+def _passes(fn, dev, runs=2):
+    """``runs`` passes of a stream; the allocator peak (CUDA) is taken over the last one."""
+    results, clock = [], None
+    for i in range(runs):
+        if dev.type == "cuda" and i == runs - 1:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        clock = _Clock(dev)
+        results.append(fn(clock))
+    peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else None
+    return results, clock.times, peak
+
+
+def run_demo(model: str = "token2wav", device: str = "cpu", chunks: Optional[int] = None,
+             verify: bool = True) -> Dict:
+    if model not in _BUILDERS:
+        raise ValueError(f"unknown demo model {model!r}; choose from {', '.join(MODELS)}")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda asked for, but torch sees no CUDA device")
-    if model != "toy":
-        raise ValueError(f"unknown demo model {model!r}; choose from {', '.join(MODELS)}")
-    module, adapter, prompt_state, inputs, call = _toy(dev, chunks)
-    reset_at = chunks // 2
-    compiled = cadence_fx.compile(module, adapter)
-    stock_runs, stock_peak = _timed_runs(module, inputs, prompt_state, call, reset_at, dev)
-    first = _run(compiled, inputs, prompt_state, call, reset_at, dev)  # traces and captures here
-    warm = (compiled.counters.replays, compiled.counters.fallbacks)
-    second, compiled_peak = _timed_runs(compiled, inputs, prompt_state, call, reset_at, dev, runs=1)
-    compiled_runs = [first] + second
-    ref, times = stock_runs[1][0], compiled_runs[1][1]
-    runs = [r[0] for r in compiled_runs]
-    audited = None
-    if verify:  # a third pass with the shadow auditor on every carry write (it syncs: not timed)
-        audited = cadence_fx.compile(module, adapter, verify=True)
-        runs.append(_run(audited, inputs, prompt_state, call, reset_at, dev)[0])
-    bit_exact = all(_equal(a, b) for run in runs for a, b in zip(ref, run))
-    counters = compiled.counters
-    carry_bytes = sum(c.tensor.numel() * c.tensor.element_size() for c in compiled.carries.values())
-    stock_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
-    if dev.type == "cuda":
-        stock_bytes, carry_bytes, kind = stock_peak, compiled_peak, "max_memory_allocated"
-    else:
-        kind = "resident_state"
-    return {
-        "model": model, "device": str(dev), "chunks": len(inputs), "bit_exact": bit_exact,
-        "carry_addresses": counters.carry_addresses,
-        "stock_state_addresses": len(stock_runs[1][2]),
-        "retentions": counters.retentions,
-        "audited_writes": sum(audited.auditor.comparisons.values()) if audited else 0,
-        "replays": counters.replays, "fallbacks": counters.fallbacks,
-        "steady_replays": counters.replays - warm[0], "steady_fallbacks": counters.fallbacks - warm[1],
-        "invalidations": counters.invalidations, "traces": counters.traces,
-        "stock_ms_p50": statistics.median(stock_runs[1][1]),
-        "compiled_ms_p50": statistics.median(times),
-        "stock_ms_p95": _p95(stock_runs[1][1]), "compiled_ms_p95": _p95(times),
-        # CUDA: the allocator's peak during the timed stream of each path. CPU: torch reports no
-        # allocator peak, so these are the bytes of state each path keeps resident (the stock
-        # envelope buffers vs the carries).
-        "stock_peak_bytes": stock_bytes, "compiled_peak_bytes": carry_bytes,
-        "peak_bytes_kind": kind,
-        "fallback_reasons": dict(counters.reasons),
+    if chunks is None:
+        chunks = 16 if model == "toy" or dev.type == "cuda" else 4
+    if chunks < 4:
+        raise ValueError("a demo stream needs at least 4 chunks (two turns of two)")
+    if model == "token2wav" and dev.type == "cuda":
+        from .determinism import pin_deterministic_kernels
+        pin_deterministic_kernels()
+    stream = _BUILDERS[model](dev, chunks)
+    stock_runs, stock_times, stock_peak = _passes(stream.stock, dev)
+    if stream.prepare_compiled is not None:
+        stream.prepare_compiled()
+    first = stream.compiled(_Clock(dev))                     # traces and captures here
+    warm = {n: (s.counters.replays, s.counters.fallbacks) for n, s in stream.steps.items()}
+    second, times, compiled_peak = _passes(stream.compiled, dev, runs=1)
+    ref = stock_runs[-1]
+    runs = [first, second[0]]
+    equal = stream.equal or _same
+    if verify and stream.audit is not None:  # the shadow auditor on every carry write (syncs)
+        runs.append(stream.extra["audit_run"](lambda i: None))
+    bit_exact = all(len(r) == len(ref) and all(map(equal, ref, r)) for r in runs)
+    steps = {}
+    for name, s in stream.steps.items():
+        c = s.counters
+        steps[name] = {"calls": c.calls, "replays": c.replays, "fallbacks": c.fallbacks,
+                       "steady_replays": c.replays - warm[name][0],
+                       "steady_fallbacks": c.fallbacks - warm[name][1],
+                       "classes": len(s.classes), "traces": c.traces,
+                       "eager_pieces": c.eager_pieces, "guarded_eager": c.guarded_eager}
+    total = lambda key: sum(getattr(s.counters, key) for s in stream.steps.values())  # noqa: E731
+    result = {
+        "model": model, "device": str(dev), "chunks": stream.chunks, "config": stream.config,
+        "bit_exact": bit_exact,
+        "bit_exact_chunks": sum(equal(a, b) for a, b in zip(ref, second[0])),
+        "carry_addresses": total("carry_addresses"),
+        "retentions": total("retentions"),
+        "replays": total("replays"), "fallbacks": total("fallbacks"),
+        "steady_replays": sum(s["steady_replays"] for s in steps.values()),
+        "steady_fallbacks": sum(s["steady_fallbacks"] for s in steps.values()),
+        "invalidations": total("invalidations"), "traces": total("traces"),
+        "per_invocation": dict(stream.priming or {}, **steps),
+        "stock_ms_p50": statistics.median(stock_times), "compiled_ms_p50": statistics.median(times),
+        "stock_ms_p95": _p95(stock_times), "compiled_ms_p95": _p95(times),
+        "speedup_p50": statistics.median(stock_times) / statistics.median(times),
+        "fallback_reasons": {k: v for s in stream.steps.values() for k, v in s.counters.reasons.items()},
     }
+    if dev.type == "cuda":
+        # the allocator's peak during the timed pass of each path (weights included)
+        result.update(stock_peak_bytes=stock_peak, compiled_peak_bytes=compiled_peak,
+                      peak_bytes_kind="max_memory_allocated")
+    else:
+        # torch reports no CPU allocator peak: the bytes of state each path keeps resident
+        carries = sum(c.tensor.numel() * c.tensor.element_size()
+                      for s in stream.steps.values() for c in s.carries.values())
+        result.update(stock_peak_bytes=stream.extra.get("resident_stock"),
+                      compiled_peak_bytes=carries, peak_bytes_kind="resident_state")
+    if "addresses" in stream.extra:
+        result["stock_state_addresses"] = len(stream.extra["addresses"]["stock"])
+    if verify and stream.audit is not None:
+        result["audited_writes"] = sum(stream.audit.auditor.comparisons.values())
+    return result

@@ -145,8 +145,7 @@ def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any]
                tracing_mode: str = "fake") -> TracedStep:
     """Trace ``fn(**named_args)`` with ``module``'s parameters and buffers lifted to placeholders."""
     # one placeholder per tensor: a module registered under two names shares its weights, and
-    # ``functional_call`` ties the other names to the one passed (swapping both names separately
-    # could leave a fake tensor behind in the user's module)
+    # ``functional_call`` ties the other names to the one passed
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())
     leaves, in_spec = leaves_with_paths(named_args)
@@ -175,21 +174,23 @@ def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any]
         # Tensors held in plain attributes (module state such as a step counter or a streaming
         # cache) enter the trace as real constants, and ops on them run for real while tracing:
         # put them back afterwards so that a trace has no effects.
-        # Stock code may also register a buffer lazily (Mimi's codebook ``_embedding``): one
-        # registered while tracing would hold a fake tensor, so every buffer slot is put back.
+        # Every parameter and buffer slot is put back by identity afterwards: stock code may
+        # register a buffer lazily (Mimi's codebook ``_embedding``), which would keep a fake
+        # tensor, and ``functional_call`` restores a module registered under two names in an
+        # order that can leave the fake behind.
         state_tensors = TensorSnapshot(module_state_tensors(module).values())
-        slots = [(m, dict(m._buffers)) for m in module.modules()]
+        slots = [(d, dict(d)) for m in module.modules(remove_duplicate=True)
+                 for d in (m._parameters, m._buffers)]
         try:
             with torch.no_grad():
                 gm = make_fx(flat_step, tracing_mode=tracing_mode, pre_dispatch=True,
                              _allow_non_fake_inputs=True)(*example)
         finally:
             state_tensors.restore()
-            for m, saved in slots:
-                if m._buffers.keys() != saved.keys() or any(
-                        m._buffers[k] is not v for k, v in saved.items()):
-                    m._buffers.clear()
-                    m._buffers.update(saved)
+            for live, saved in slots:
+                if live.keys() != saved.keys() or any(live[k] is not v for k, v in saved.items()):
+                    live.clear()
+                    live.update(saved)
     except Exception as e:  # noqa: BLE001 - re-raised with the signature that failed
         shapes = ", ".join(f"{p}: {tuple(v.shape)}" for p, v in arg_tensors[:6])
         if len(arg_tensors) > 6:

@@ -133,6 +133,16 @@ class DataDependent(nn.Module):
         return h + 1, _window(x, cache), where
 
 
+class BoolMask(nn.Module):
+    """``x[mask] = v`` keeps its shape but turns the mask into indices on the host (Moshi's
+    ``LMGen._step`` does this to blank tokens that are not generated yet)."""
+
+    def forward(self, x, cache):
+        h = x * 2
+        h[h < 0] = 0.0
+        return h + 1, _window(x, cache)
+
+
 class Plain(nn.Module):
     def forward(self, x, cache):
         return x * 2 + 1, _window(x, cache)
@@ -331,10 +341,14 @@ def _partition(module, named):
     return result, ctx, want
 
 
-@pytest.mark.parametrize("module,reason", [
+EAGER_WORK = [
     (HostSync, "host sync (.item())"),
     (DataDependent, "data-dependent output (aten::nonzero)"),
-], ids=["item", "nonzero"])
+    (BoolMask, "boolean-mask indexing (aten::index_put_) syncs with the host through nonzero"),
+]
+
+
+@pytest.mark.parametrize("module,reason", EAGER_WORK, ids=["item", "nonzero", "bool-mask"])
 def test_partition_splits_around_eager_work(module, reason):
     named = _named(frames=4)
     m = module()
@@ -359,10 +373,7 @@ def test_partition_of_a_capturable_step_is_one_piece():
     _equal(list(result.graph_module(*_flat(Plain(), ctx, named))), unsplit_out)
 
 
-@pytest.mark.parametrize("module,reason", [
-    (HostSync, "host sync (.item())"),
-    (DataDependent, "data-dependent output (aten::nonzero)"),
-], ids=["item", "nonzero"])
+@pytest.mark.parametrize("module,reason", EAGER_WORK, ids=["item", "nonzero", "bool-mask"])
 def test_partitioned_stream_bit_exact(module, reason):
     c = _stream(lambda: _seeded(module), calls=5)
     for e in c.classes.values():

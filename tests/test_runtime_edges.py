@@ -115,6 +115,46 @@ def test_catalog_too_wide_runs_stock():
         cadence_fx.compile(PositionBuffer(), wide, strict=True)
 
 
+class SharedAndLazy(nn.Module):
+    """One submodule registered under two names, and a buffer registered lazily on first use
+    (Mimi's codebook cache does this): tracing must leave the user's module as it found it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv1d(8, 8, 3)
+        self.alias = self.conv
+        self.register_buffer("scale_sum", torch.full((8,), 4.0))
+        self.register_buffer("_scale", None, persistent=False)
+
+    @property
+    def scale(self):
+        if self._scale is None:
+            s = self.scale_sum / 2
+            self.register_buffer("_scale", s, persistent=False)
+            return s
+        return self._scale
+
+    def forward(self, x, cache):
+        xc = torch.cat([cache, x], 2)
+        return self.alias(xc) * self.scale.view(1, -1, 1), xc[:, :, -2:]
+
+
+def test_tracing_leaves_shared_weights_and_lazy_buffers_real():
+    xs = _xs([4] * 4)
+    ref = _loop(SharedAndLazy(), xs)
+    model = SharedAndLazy()
+    compiled = cadence_fx.compile(model, ADAPTER)
+    got = _loop(compiled, xs)
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0]))
+    assert compiled.counters.traces == 1 and compiled.counters.fallbacks == 0
+    fake = torch._subclasses.FakeTensor
+    assert not any(isinstance(t, fake) for t in [*model.parameters(), *model.buffers()])
+    assert model._scale is None or not isinstance(model._scale, fake)
+    # and the stock module still runs eagerly afterwards, with the same result
+    assert torch.equal(_loop(model, xs)[0][-1], ref[0][-1])
+
+
 def test_real_tracing_mode_is_refused():
     with pytest.raises(ValueError, match="use 'fake'"):
         cadence_fx.compile(PositionBuffer(), ADAPTER, tracing_mode="real")

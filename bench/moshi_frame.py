@@ -1,0 +1,291 @@
+"""Moshi full frame on one GPU: stock eager, the vendor's own CUDA-graph path, and cadence_fx.
+
+    python bench/moshi_frame.py --out moshi.json [--streams 3] [--frames 16] [--small]
+
+A frame is what ``moshi/server.py`` does per 1920 samples: Mimi encode, ``LMGen.step`` (7B LM,
+bf16, sampling with top-k), Mimi decode of the generated audio tokens. Each stream has a turn
+boundary in the middle (``reset_streaming`` for the stock paths, a fresh state for cadence_fx)
+and starts from its own seed, so the three paths draw the same random numbers.
+
+Configurations, all in one process and one run:
+
+* ``E``: stock eager (the vendor's ``CUDAGraphed`` and lazy ``torch.compile`` switched off by its
+  own switches) -- the bit-exact reference.
+* ``V``: the vendor path as shipped: ``CUDAGraphed`` Mimi encoder/decoder/transformers and LM
+  main/depth steps, with its lazy ``torch.compile`` of rope, RMS norm and gating. Streaming is
+  entered once and reset between streams, as a server does; a warm-up stream captures first.
+* ``cadence``: ``MoshiStep`` compiled by cadence_fx; a warm-up stream traces and captures.
+
+Per configuration: per-frame p50/p95 (CUDA events, timed streams only), frames bit-exact against
+E (``torch.equal`` on PCM and tokens), peak memory (``max_memory_allocated``/``memory_reserved``
+over the timed streams), and the kernel-time floor of E (the profiler's sum of GPU kernel time per
+steady frame).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import cadence_fx
+from cadence_fx.models import moshi as M
+
+
+def p95(xs):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
+
+
+CUDA = torch.cuda.is_available()   # without CUDA (a smoke test of this script): host clocks
+
+
+class Ticks:
+    def __init__(self):
+        self.times, self._start = [], None
+
+    def __call__(self, i):
+        if self._start is None:
+            if CUDA:
+                self._start = torch.cuda.Event(enable_timing=True)
+                self._start.record()
+            else:
+                self._start = time.perf_counter()
+        elif CUDA:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            torch.cuda.synchronize()
+            self.times.append(self._start.elapsed_time(end))
+            self._start = None
+        else:
+            self.times.append((time.perf_counter() - self._start) * 1e3)
+            self._start = None
+
+
+def seed(s):
+    torch.manual_seed(s)
+    if CUDA:
+        torch.cuda.manual_seed(s)
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def memory():
+    if not CUDA:
+        return {"peak_bytes": None, "reserved_bytes": None}
+    return {"peak_bytes": torch.cuda.max_memory_allocated(),
+            "reserved_bytes": torch.cuda.memory_reserved()}
+
+
+def reset_peak():
+    if CUDA:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def stock_streams(mimi, lm_gen, streams, reset_at, as_shipped, ticks=None):
+    """The stock loop over several streams in one streaming session (reset between streams)."""
+    vendor = M.import_stock().compile
+    outs = []
+    with contextlib.ExitStack() as stack:
+        if not as_shipped:
+            stack.enter_context(vendor.no_cuda_graph())
+            stack.enter_context(vendor.no_compile())
+        stack.enter_context(mimi.streaming(1))
+        stack.enter_context(lm_gen.streaming(1))
+        for s, frames in enumerate(streams):
+            seed(100 + s)
+            mimi.reset_streaming()
+            lm_gen.reset_streaming()
+            stream = []
+            for i, frame in enumerate(frames):
+                if i == reset_at:
+                    mimi.reset_streaming()
+                    lm_gen.reset_streaming()
+                if ticks:
+                    ticks(i)
+                with torch.no_grad():
+                    tokens = lm_gen.step(mimi.encode(frame))
+                    pcm = None if tokens is None else mimi.decode(tokens[:, 1:])
+                if ticks:
+                    ticks(i)
+                stream.append((None if pcm is None else pcm.clone(),
+                               None if tokens is None else tokens.clone()))
+            outs.append(stream)
+    return outs
+
+
+def cadence_streams(step, compiled, streams, reset_at, ticks=None):
+    outs = []
+    for s, frames in enumerate(streams):
+        seed(100 + s)
+        state, stream = step.initial_state(), []
+        for i, frame in enumerate(frames):
+            if i == reset_at:
+                state = step.initial_state()
+            if ticks:
+                ticks(i)
+            with torch.no_grad():
+                pcm, tokens, state = compiled(frame, state)
+            if ticks:
+                ticks(i)
+            stream.append((None if pcm is None else pcm.clone(),
+                           None if tokens is None else tokens.clone()))
+        outs.append(stream)
+    return outs
+
+
+def same(a, b):
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+               for x, y in zip(a, b))
+
+
+def exact_frames(ref, got):
+    return sum(same(a, b) for sa, sb in zip(ref, got) for a, b in zip(sa, sb))
+
+
+def timed(fn):
+    reset_peak()
+    ticks = Ticks()
+    t0 = time.perf_counter()
+    outs = fn(ticks)
+    sync()
+    return outs, {"p50_ms": statistics.median(ticks.times), "p95_ms": p95(ticks.times),
+                  **memory(), "frames": len(ticks.times), "wall_s": time.perf_counter() - t0}
+
+
+def kernel_floor_ms(fn, frames):
+    """Sum of GPU kernel time per frame over ``frames`` frames of ``fn`` (torch.profiler)."""
+    if not CUDA:
+        return None, None
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time_total for e in prof.key_averages()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = sum(e.count for e in prof.key_averages()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+    return total_us / 1e3 / frames, kernels / frames
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--streams", type=int, default=3)
+    ap.add_argument("--frames", type=int, default=16)
+    ap.add_argument("--small", action="store_true", help="2-layer LM (a quick check)")
+    ap.add_argument("--skip-vendor", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if CUDA else "cpu")
+    t0 = time.perf_counter()
+    mimi = M.build_mimi(device=dev)
+    lm_gen = M.build_lm_gen(device=dev, seed=1, overrides=M.SMALL_LM if args.small else None,
+                            dtype=torch.float32 if args.small else torch.bfloat16)
+    build_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(3)
+    streams = [[(0.1 * torch.randn(1, 1, 1920, generator=g)).to(dev) for _ in range(args.frames)]
+               for _ in range(args.streams + 1)]   # stream 0 warms up
+    warm, timed_streams = streams[:1], streams[1:]
+    reset_at = args.frames // 2
+    result = {"gpu": torch.cuda.get_device_name() if CUDA else "none (CPU smoke run)",
+              "torch": torch.__version__,
+              "commit": os.environ.get("CADENCE_COMMIT", "unknown"),
+              "lm": "2-layer (SMALL_LM) fp32" if args.small else "7B bf16 (loaders._lm_kwargs)",
+              "streams": args.streams, "frames_per_stream": args.frames, "reset_at": reset_at,
+              "build_s": build_s}
+
+    # E: plain eager, the reference
+    stock_streams(mimi, lm_gen, warm, reset_at, as_shipped=False)
+    ref, e = timed(lambda t: stock_streams(mimi, lm_gen, timed_streams, reset_at, False, t))
+    e["bit_exact_frames"] = exact_frames(ref, ref)
+    floor, kernels = kernel_floor_ms(
+        lambda: stock_streams(mimi, lm_gen, [timed_streams[0][:6]], reset_at=99, as_shipped=False), 6)
+    e.update(floor_ms=floor, kernels_per_frame=kernels, status="ok")
+    result["E"] = e
+
+    # V: the vendor's CUDAGraphed path as shipped (warm-up stream captures)
+    if not args.skip_vendor:
+        try:
+            t1 = time.perf_counter()
+            v_ticks = Ticks()
+            vendor_outs = stock_streams_with_warmup(mimi, lm_gen, warm, timed_streams, reset_at, v_ticks)
+            v = {"p50_ms": statistics.median(v_ticks.times), "p95_ms": p95(v_ticks.times),
+                 **memory(), "frames": len(v_ticks.times),
+                 "wall_s_incl_capture": time.perf_counter() - t1,
+                 "bit_exact_frames": exact_frames(ref, vendor_outs), "status": "ok"}
+        except Exception as ex:  # noqa: BLE001 - recorded, the run goes on
+            v = {"status": f"failed: {type(ex).__name__}: {str(ex).splitlines()[0][:300]}"}
+        result["V"] = v
+
+    # cadence_fx
+    step = M.MoshiStep(mimi, lm_gen)
+    from cadence_fx import adapters
+    adapter = adapters.get("moshi")
+    if args.small:
+        c = M.SMALL_LM
+        adapter = adapter.with_clocks(lm_layers=c["num_layers"], lm_heads=c["num_heads"],
+                                      lm_head_dim=c["dim"] // c["num_heads"])
+    compiled = cadence_fx.compile(step, adapter)
+    t1 = time.perf_counter()
+    warm_outs = cadence_streams(step, compiled, warm, reset_at)
+    compile_s = time.perf_counter() - t1
+    before = (compiled.counters.replays, compiled.counters.fallbacks)
+    ours, c = timed(lambda t: cadence_streams(step, compiled, timed_streams, reset_at, t))
+    k = compiled.counters
+    c.update(bit_exact_frames=exact_frames(ref, ours),
+             warm_stream_s=compile_s, classes=len(compiled.classes), traces=k.traces,
+             capture_s=getattr(compiled.backend, "capture_seconds", None),
+             steady_replays=k.replays - before[0], steady_fallbacks=k.fallbacks - before[1],
+             eager_pieces=k.eager_pieces, status="ok",
+             fallback_reasons=dict(k.reasons))
+    c["speedup_vs_E_p50"] = e["p50_ms"] / c["p50_ms"]
+    if "V" in result and "p50_ms" in result["V"]:
+        c["vs_V_p50"] = c["p50_ms"] / result["V"]["p50_ms"]
+    c["vs_floor_p50"] = c["p50_ms"] / e["floor_ms"] if e["floor_ms"] else None
+    result["cadence"] = c
+    result["total_frames"] = args.streams * args.frames
+    print(json.dumps(result, indent=1))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def stock_streams_with_warmup(mimi, lm_gen, warm, streams, reset_at, ticks):
+    """V: one streaming session; the warm-up streams capture the vendor graphs untimed."""
+    outs = []
+    with mimi.streaming(1), lm_gen.streaming(1):
+        for s, frames in enumerate(warm + streams):
+            timed_stream = s >= len(warm)
+            seed(100 + s - len(warm)) if timed_stream else seed(100)
+            mimi.reset_streaming()
+            lm_gen.reset_streaming()
+            stream = []
+            for i, frame in enumerate(frames):
+                if i == reset_at:
+                    mimi.reset_streaming()
+                    lm_gen.reset_streaming()
+                if timed_stream:
+                    ticks(i)
+                with torch.no_grad():
+                    tokens = lm_gen.step(mimi.encode(frame))
+                    pcm = None if tokens is None else mimi.decode(tokens[:, 1:])
+                if timed_stream:
+                    ticks(i)
+                    stream.append((None if pcm is None else pcm.clone(),
+                                   None if tokens is None else tokens.clone()))
+            if timed_stream:
+                outs.append(stream)
+            else:
+                reset_peak()
+    return outs
+
+
+if __name__ == "__main__":
+    main()
