@@ -62,6 +62,7 @@ class PassContext:
     counters: Any = None
     strict: bool = False
     constant_ids: set = dataclasses.field(default_factory=set)  # declared constant attributes
+    alias_state: bool = False   # ablation Rc: region inputs bound by address, without carries
     records: Dict[str, list] = dataclasses.field(default_factory=lambda: {
         "rewrites": [], "near_misses": [], "constants": [], "pieces": [], "passes": []})
 

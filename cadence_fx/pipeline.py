@@ -31,6 +31,10 @@ class Options:
     state_rule: bool = True    # the carry pass: retention as in-place writes on fixed storage
     partition: bool = True     # shape enumeration: capturable vs eager pieces
     lower: bool = True         # guarded pieces (device graphs where the backend has them)
+    # Ablation only (the paper's Rc): without the state rule, bind the stock region tensors by
+    # address instead of staging them. Stock code hands a new tensor per retention, so the guard
+    # sees the address move and the piece is captured again: this is what the carry prevents.
+    alias_state: bool = False
 
 
 def build_pipeline(options: Options) -> List[Tuple[str, Callable]]:

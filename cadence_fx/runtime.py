@@ -57,7 +57,7 @@ class CompiledStep:
                  verify: bool = False, strict: bool = False, options: Options = Options(),
                  backend=None, tracing_mode: str = "fake",
                  carries: Optional[Dict[str, Carry]] = None, graphs: bool = True,
-                 copy_outputs: bool = True):
+                 copy_outputs: bool = True, release_envelopes: bool = False):
         self.step = step
         self.adapter = adapter.validate()
         self.catalog: Catalog = build_catalog(adapter)
@@ -68,6 +68,8 @@ class CompiledStep:
         self.backend = backend            # chosen at the first class when None
         self.graphs = graphs
         self.copy_outputs = copy_outputs
+        self.release_envelopes = release_envelopes
+        self._released: Dict[str, int] = {}   # envelope buffer -> bytes of its freed storage
         self.tracing_mode = tracing_mode
         self.counters = Counters()
         self.auditor = Auditor()
@@ -300,6 +302,9 @@ class CompiledStep:
         if self.strict:
             raise GuardError(f"strict mode: {reason}")
         self.counters.fallback(reason)
+        # The stock step writes into its envelopes and may hand out views of them: they get
+        # their storage back for good.
+        self._restore_envelopes(keep=True)
         # The stock step writes the module's own buffers where compiled calls write private
         # copies: hand it the latest values, and take its writes back, so the two stay one buffer.
         with torch.no_grad():
@@ -347,10 +352,12 @@ class CompiledStep:
                                     f"result of the step (results: {traced.out_paths}); fix `output`")
             if r.fixed_address and self.options.state_rule:
                 bindings.append(RegionBinding(r, ph, out_pos.get(r.output), self.carries[r.name]))
+        written_before = {spec.name for spec in _written_inputs(gm, inputs) if spec.kind == "buffer"}
         ctx = PassContext(adapter=self.adapter, class_key=key[0], inputs=inputs, regions=bindings,
                           module_buffers=self._buffers, verify=self.verify, auditor=self.auditor,
                           backend=self.backend, counters=self.counters, strict=self.strict,
-                          constant_ids=self._constant_ids)
+                          constant_ids=self._constant_ids,
+                          alias_state=self.options.alias_state and not self.options.state_rule)
         try:
             gm = run_pipeline(gm, ctx, self._pipeline)
         except PassFailed as e:
@@ -361,6 +368,9 @@ class CompiledStep:
             return None
         # Buffers the rewritten step still writes get a private copy: the user's module is never
         # written by the compiled path (envelopes replaced by carries are gone by now).
+        if self.release_envelopes:
+            still_used = {spec.name for spec in ctx.inputs if spec.kind == "buffer"}
+            self._release(sorted(written_before - still_used))
         unsplit = ctx.records.get("graph", gm)
         for spec in _written_inputs(unsplit, ctx.inputs):
             if spec.kind == "buffer" and spec.name not in self._private:
@@ -388,6 +398,8 @@ class CompiledStep:
                    for s in _written_inputs(traced.gm, traced.inputs) if s.kind in ("buffer", "arg")]
         written += [c.tensor for c in self.carries.values()]
         written += mutated_attributes(traced.gm)  # module state in plain tensor attributes
+        released = dict(self._released)
+        self._restore_envelopes(keep=False)   # the stock step needs its envelopes for the probe
         state, rng = TensorSnapshot(written), RngSnapshot()
         try:
             with torch.no_grad():
@@ -396,7 +408,35 @@ class CompiledStep:
             effects = rng.effects()
             state.restore()
             rng.restore()
+            self._release(sorted(released))
         return effects.host_reason
+
+    # -- envelopes replaced by carries ---------------------------------------------------
+    def _release(self, names) -> None:
+        """Free the storage of stock envelope buffers the compiled path no longer touches
+        (``release_envelopes=True``). The tensors keep their shape, so later classes still trace;
+        any stock code reading them before ``_restore_envelopes`` fails loudly."""
+        for name in names:
+            buf = self._buffers[name]
+            storage = buf.untyped_storage()
+            if storage.nbytes() and name not in self._released:
+                self._released[name] = storage.nbytes()
+                storage.resize_(0)
+                log.debug("released stock envelope %s (%d bytes)", name, self._released[name])
+        self.counters.released_bytes = sum(self._released.values())
+
+    def _restore_envelopes(self, keep: bool) -> None:
+        """Give released envelopes their storage back, zero-filled as the stock module starts
+        them (the stock step overwrites the rows it returns before reading them)."""
+        for name, nbytes in list(self._released.items()):
+            buf = self._buffers[name]
+            buf.untyped_storage().resize_(nbytes)
+            with torch.no_grad():
+                buf.untyped_storage().fill_(0)
+            del self._released[name]
+            if keep:
+                self.counters.restored_bytes += nbytes
+        self.counters.released_bytes = sum(self._released.values())
 
     def _choose_backend(self, named):
         on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda
@@ -436,7 +476,8 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
             module: Optional[torch.nn.Module] = None, verify: bool = False, strict: bool = False,
             graphs: Optional[bool] = None, state_rule: bool = True, constants: bool = True,
             backend=None, tracing_mode: str = "fake",
-            carries: Optional[Dict[str, Carry]] = None, copy_outputs: bool = True) -> CompiledStep:
+            carries: Optional[Dict[str, Carry]] = None, copy_outputs: bool = True,
+            options: Optional[Options] = None, release_envelopes: bool = False) -> CompiledStep:
     """Compile a streaming step against an adapter.
 
     ``step`` is a module (its ``forward`` is the step) or a callable; a plain callable names the
@@ -446,6 +487,10 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
     ``CADENCE_FX_DISABLE_GRAPHS=1``) keeps every piece on the guarded eager path. ``carries``
     shares the carry store of another compiled step of the same stream. ``copy_outputs=False``
     hands out replayed results in place (overwritten by the next replay) instead of cloning them.
+    ``options`` (a ``pipeline.Options``) replaces ``state_rule``/``constants`` for ablations.
+    ``release_envelopes=True`` frees the storage of the module's stock envelope buffers once the
+    carries have replaced them (the memory the state rule saves); it comes back, zero-filled,
+    whenever the stock step has to run (a fallback, the probationary call).
     """
     if tracing_mode != "fake":
         raise ValueError(f"tracing_mode {tracing_mode!r}: cadence_fx traces exact shapes with fake "
@@ -462,7 +507,9 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
         raise TypeError("cannot tell which module holds the step's weights; pass module=")
     if graphs is None:
         graphs = os.environ.get("CADENCE_FX_DISABLE_GRAPHS", "0") in ("", "0")
-    options = Options(constants=constants, state_rule=state_rule)
+    if options is None:
+        options = Options(constants=constants, state_rule=state_rule)
     return CompiledStep(step, adapter, module, verify=verify, strict=strict, options=options,
                         backend=backend, tracing_mode=tracing_mode, carries=carries,
-                        graphs=graphs, copy_outputs=copy_outputs)
+                        graphs=graphs, copy_outputs=copy_outputs,
+                        release_envelopes=release_envelopes)

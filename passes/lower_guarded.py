@@ -32,6 +32,11 @@ def lower_guarded(gm: GraphModule, ctx: PassContext) -> PassResult:
     placeholders = ctx.placeholders(gm)
     fixed_nodes = {n: f"{spec.kind} {spec.name}" for n, spec in zip(placeholders, ctx.inputs)
                    if spec.kind in FIXED_KINDS}
+    if ctx.alias_state:  # ablation Rc: stock-sized region state bound by address
+        region_inputs = {r.input: r.name for r in ctx.adapter.regions}
+        fixed_nodes.update({n: f"stock state {region_inputs[spec.name]}"
+                            for n, spec in zip(placeholders, ctx.inputs)
+                            if spec.kind == "arg" and spec.name in region_inputs})
     # a view of contract-owned storage made by an earlier piece is just as fixed: same address
     # every call of the class (the guard checks it), and writes through it must reach the owner
     by_storage = {storage_key(n): name for n, name in fixed_nodes.items() if storage_key(n)}

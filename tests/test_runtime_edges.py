@@ -206,3 +206,40 @@ def test_in_place_writes_reach_their_owner_on_replay(cls, options):
     got = stream(compiled)
     assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0])) and torch.equal(ref[1], got[1])
     assert compiled.counters.replays > 0
+
+
+def _prompt_stream(widths, reset_at):
+    from cadence_fx.models.toy import PromptRetainedToy
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        _, st = PromptRetainedToy()(torch.randn(1, 24, 64, generator=g), None)
+    prompt = {k: v.clone() for k, v in st.items()}
+    xs = [torch.randn(1, w, 64, generator=g) for w in widths]
+
+    def run(step):
+        outs, state = [], prompt
+        for i, x in enumerate(xs):
+            if i == reset_at:
+                state = prompt
+            with torch.no_grad():
+                y, state = step(x, state)
+            outs.append(y.clone())
+        return outs
+    return run
+
+
+def test_release_envelopes_frees_the_stock_buffer_and_restores_it_on_fallback():
+    from cadence_fx.models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
+    run = _prompt_stream([8] * 5 + [10] + [8, 8], reset_at=6)
+    ref = run(PromptRetainedToy())
+    model = PromptRetainedToy()
+    envelope = model.att_cache_buffer.untyped_storage().nbytes()
+    compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER, release_envelopes=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, run(compiled)))
+    assert compiled.counters.released_bytes == envelope > 0
+    assert model.att_cache_buffer.untyped_storage().nbytes() == 0
+    # a call outside the catalog runs the stock step: the envelope comes back, zero-filled
+    run_odd = _prompt_stream([8, 13], reset_at=99)  # 13 frames: wider than any admitted call
+    assert all(torch.equal(a, b) for a, b in zip(run_odd(PromptRetainedToy()), run_odd(compiled)))
+    assert compiled.counters.fallbacks == 1 and compiled.counters.restored_bytes == envelope
+    assert model.att_cache_buffer.untyped_storage().nbytes() == envelope
