@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call:  bash bench/device.sh  (writes under $OUT)
-# Steps: all (tests, demo, bench) | tests | demo | moshi | chunk | bench.
+# Steps: all (tests, demo, bench) | tests | demo | moshi | chunk | bench | suite.
 # Needs the model wheels in .whl/, carried along:
 #   pip wheel --no-deps minicpmo==0.1.2 -w .whl && pip download --no-deps moshi==0.2.13 -d .whl
 set -uo pipefail
@@ -33,4 +33,9 @@ if [[ $STEP == chunk ]]; then
 fi
 if [[ $STEP == all || $STEP == bench ]]; then
   python3 bench/replay.py --out "$OUT/bench-replay.json" ${BENCH_ARGS:-} 2>&1 | tail -80
+fi
+if [[ $STEP == suite ]]; then
+  # the whole suite (E, S, SRc, R, Rc, V, B on the CFM loop; whole chunk; Moshi); T/TM via CONFIGS
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 bench/suite.py --out "$OUT/suite.json" \
+    --configs "${CONFIGS:-E,S,SRc,R,Rc,V,B,T,TM}" --parts "${PARTS:-cfm,whole,moshi}" ${BENCH_ARGS:-} 2>&1 | tail -60
 fi

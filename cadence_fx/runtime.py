@@ -447,6 +447,14 @@ class CompiledStep:
             return CudaGraphBackend(copy_outputs=self.copy_outputs)
         return EagerBackend()
 
+    def close(self) -> None:
+        """Drop every compiled class and its device graphs and give the module back its released
+        envelopes (zero-filled); the step can still be called afterwards and recompiles."""
+        self._restore_envelopes(keep=False)
+        self.classes.clear()
+        self._rejected.clear()
+        self.backend = None
+
     # -- inspection -------------------------------------------------------------------------
     def report(self):
         from .report import Report

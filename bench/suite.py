@@ -1,0 +1,434 @@
+"""The benchmark suite on one GPU: the ablation, the peers and the floor, in one process and run.
+
+    python bench/suite.py --out bench/results/<date>-h200.json [--configs E,S,SRc,R,Rc,V,B,T,TM]
+                          [--parts cfm,whole,moshi] [--depth 16] [--chunks 12]
+
+Model: the real Token2Wav CFM loop (``CFMStep``: ``CausalConditionalCFM.forward_chunk`` + the
+retention of ``stepaudio2/token2wav.py``; DiT depth 16, 10 Euler steps, CFG 0.7, random weights),
+302-frame prompt state, two turns of 50-frame chunks each ending with a 56-frame call, under
+``autocast("cuda", float32)`` as the stock loop runs it. Configurations:
+
+* E: stock eager. S: state rule only (carries, rewritten graph run eagerly, no device graphs).
+* R: replay only: device graphs over the stock state, staged (copied in) every call.
+* Rc: replay with the stock-sized state bound by address (``Options.alias_state``).
+* SRc: both rules, the product (``release_envelopes=True``: the stock envelope is freed).
+* T / TM: ``torch.compile(mode="reduce-overhead" / "max-autotune")`` of the same step (TM runs in a
+  subprocess under a time limit).
+* V: the vendor's CUDA-graph branch as shipped (``CausalConditionalCFM.scatter_cuda_graph``:
+  buckets 30/48/96). B: the same branch re-bucketed to the live widths 50/56 (padded to 500 cached
+  frames, as the vendor pads).
+
+Per configuration: per-chunk p50/p95 (CUDA events, after a warm-up pass), the paired 95%
+bootstrap interval of the per-chunk latency ratio against E, peak memory over the timed pass
+(``max_memory_allocated``, ``memory_reserved``: the whole process, model included), kernel time
+(the floor: sum of GPU kernel durations per chunk, profiler) and launches per chunk, compile and
+capture time, replays and fallbacks, and chunks bit-exact against E (``torch.equal`` on mel and
+state). ``whole``: the whole Token2Wav chunk (flow + HiFT) E vs SRc. ``moshi``: E, V, cadence
+(``bench/moshi_frame.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+import cadence_fx
+from cadence_fx.pipeline import Options
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROW_KEYS = ("p50_ms", "p95_ms", "peak_bytes", "reserved_bytes", "bit_exact_blocks", "blocks",
+            "replays", "fallbacks", "floor_ms", "status")
+
+
+# -- measurement ----------------------------------------------------------------------------------
+
+def p95(xs):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
+
+
+def ratio_ci(times, ref, n=2000, seed=0):
+    """Paired 95% bootstrap interval of mean(t_i / ref_i) over chunks."""
+    r = [a / b for a, b in zip(times, ref)]
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choice(r) for _ in r) for _ in range(n))
+    return [means[int(0.025 * n)], means[int(0.975 * n) - 1]], statistics.fmean(r)
+
+
+def cleanup():
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def profile(run):
+    """Kernel time (ms) and launches (kernel launches, graph launches, async copies) of ``run()``."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    avg = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in avg if e.device_type == DeviceType.CUDA)
+    launches = {}
+    for e in avg:
+        if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                     "cudaGraphLaunch", "cudaMemcpyAsync"):
+            launches[e.key] = launches.get(e.key, 0) + e.count
+    return kernel_us / 1e3, launches
+
+
+class CFMStream:
+    """The CFM stream: inputs, the stock step, and one pass of any step over it."""
+
+    def __init__(self, depth, chunks):
+        from cadence_fx.models.token2wav import CFMStep, build_cfm, prime_cfm
+        self.step = CFMStep(build_cfm(depth, device="cuda"))
+        self.spks, self.prompt = prime_cfm(self.step, device="cuda")
+        g = torch.Generator().manual_seed(9)
+        turn = [50] * (chunks // 2 - 1) + [56]
+        self.widths = turn * 2
+        self.xs = [(torch.randn(1, 80, w, generator=g).cuda(), torch.zeros(1, 80, w, device="cuda"))
+                   for w in self.widths]
+        self.resets = {0, len(self.xs) // 2}
+
+    def run(self, step, times=None):
+        outs, state = [], self.prompt
+        for i, (mu, cond) in enumerate(self.xs):
+            if i in self.resets:
+                state = self.prompt
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float32):
+                mel, state = step(mu, self.spks, cond, state)
+            end.record()
+            if times is not None:
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            outs.append((mel.cpu(), {k: v.cpu() for k, v in state.items()}))
+        return outs
+
+
+def same_chunk(a, b):
+    """mel equal; state equal on the declared rows, undeclared stock rows zero."""
+    (ma, sa), (mb, sb) = a, b
+    if ma.shape != mb.shape or not torch.equal(ma, mb):
+        return False
+    for k in sa:
+        x, y = sa[k], sb[k]
+        if x.shape != y.shape:
+            big, small = (x, y) if x.numel() > y.numel() else (y, x)
+            cut = tuple(slice(0, n) for n in small.shape)
+            if not torch.equal(big[cut], small) or big.count_nonzero() != big[cut].count_nonzero():
+                return False
+        elif not torch.equal(x, y):
+            return False
+    return True
+
+
+def measure(stream, step, ref, ref_times, *, warm=True, prof=True):
+    """Warm-up pass, timed pass (peak memory over it), profiled pass."""
+    t0 = time.perf_counter()
+    if warm:
+        stream.run(step)
+    warm_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    outs = stream.run(step, times)
+    row = {"p50_ms": statistics.median(times), "p95_ms": p95(times),
+           "peak_bytes": torch.cuda.max_memory_allocated(),
+           "reserved_bytes": torch.cuda.memory_reserved(),
+           "blocks": len(outs), "warm_pass_s": warm_s, "times_ms": times}
+    row["bit_exact_blocks"] = len(outs) if ref is None else sum(map(same_chunk, ref, outs))
+    if ref_times is not None:
+        row["ratio_vs_E_ci95"], row["ratio_vs_E_mean"] = ratio_ci(times, ref_times)
+    if prof:
+        kernel_ms, launches = profile(lambda: stream.run(step))
+        row["floor_ms"] = kernel_ms / len(outs)
+        row["launches_per_chunk"] = {k: v / len(outs) for k, v in launches.items()}
+    return outs, row
+
+
+def counters_row(compiled):
+    k = compiled.counters
+    backend = compiled.backend
+    return {"replays": k.replays, "fallbacks": k.fallbacks, "invalidations": k.invalidations,
+            "classes": len(compiled.classes), "traces": k.traces,
+            "trace_s": sum(e.traced.seconds for e in compiled.classes.values()),
+            "capture_s": getattr(backend, "capture_seconds", 0.0),
+            "graphs_captured": getattr(backend, "captured", 0),
+            "staging_bytes": getattr(backend, "staging_bytes", 0),
+            "released_bytes": k.released_bytes,
+            "fallback_reasons": dict(list(k.reasons.items())[:5])}
+
+
+# -- configurations -------------------------------------------------------------------------------
+
+def run_cadence(stream, ref, ref_times, **compile_kwargs):
+    from cadence_fx import adapters
+    adapter = adapters.get("minicpmo-token2wav").select("estimator_att_cache", "estimator_cnn_cache")
+    compiled = cadence_fx.compile(stream.step, adapter, **compile_kwargs)
+    try:
+        _, row = measure(stream, compiled, ref, ref_times)
+        row.update(counters_row(compiled))
+        row["status"] = "ok"
+        return row
+    finally:
+        compiled.close()
+        del compiled
+        cleanup()
+
+
+class CountingGraph:
+    """Stands in for a vendor ``torch.cuda.CUDAGraph`` to count its replays."""
+
+    def __init__(self, graph, counter):
+        self.graph, self.counter = graph, counter
+
+    def replay(self):
+        self.counter[0] += 1
+        self.graph.replay()
+
+
+def capture_buckets(dit, sizes):
+    """The vendor branch's capture (``DiT._init_cuda_graph_chunk``) at other bucket sizes:
+    ``sizes`` maps a chunk width to the cached frames it pads to."""
+    dtype, device = dit.cnn_cache_buffer.dtype, dit.cnn_cache_buffer.device
+    blocks = len(dit.blocks)
+    with torch.no_grad():
+        for chunk, max_size in sizes.items():
+            dit.max_size_chunk[chunk] = max_size
+            x = torch.zeros(2, 320, chunk, dtype=dtype, device=device)
+            t = torch.zeros(2, 1, 512, dtype=dtype, device=device)
+            mask = torch.ones(2, chunk, max_size + chunk, dtype=torch.bool, device=device)
+            cnn = torch.zeros(blocks, 2, 1024, 2, dtype=dtype, device=device)
+            att = torch.zeros(blocks, 2, 8, max_size, 128, dtype=dtype, device=device)
+            new_cnn = torch.zeros(blocks, 2, 1024, 2, dtype=dtype, device=device)
+            new_att = torch.zeros(blocks, 2, 8, max_size + chunk, 128, dtype=dtype, device=device)
+            dit.blocks_forward_chunk(x, t, mask, cnn, att, new_cnn, new_att)   # warm-up
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = dit.blocks_forward_chunk(x, t, mask, cnn, att, new_cnn, new_att)
+            dit.inference_buffers_chunk[chunk] = {"static_inputs": [x, t, mask, cnn, att],
+                                                  "static_outputs": [out, new_cnn, new_att]}
+            dit.graph_chunk[chunk] = graph
+    dit.use_cuda_graph = True
+
+
+def run_vendor(stream, ref, ref_times, rebucket):
+    dit = stream.step.cfm.estimator
+    counter = [0]
+    t0 = time.perf_counter()
+    try:
+        if rebucket:
+            capture_buckets(dit, {50: 500, 56: 500})
+        else:
+            stream.step.cfm.scatter_cuda_graph(True)   # the branch as shipped
+        capture_s = time.perf_counter() - t0
+        dit.graph_chunk = {k: CountingGraph(g, counter) for k, g in dit.graph_chunk.items()}
+        _, row = measure(stream, stream.step, ref, ref_times)
+        calls = 3 * len(stream.xs)   # warm-up, timed, profiled passes
+        row.update(replays=counter[0], fallbacks=calls - counter[0], capture_s=capture_s,
+                   buckets=sorted(dit.graph_chunk), status="ok")
+        return row
+    finally:
+        dit.use_cuda_graph = False
+        dit.graph_chunk, dit.inference_buffers_chunk, dit.max_size_chunk = {}, {}, {}
+        cleanup()
+
+
+def run_torch_compile(stream, ref, ref_times, mode):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(stream.step, mode=mode, dynamic=False)
+    try:
+        t0 = time.perf_counter()
+        stream.run(compiled)
+        compile_s = time.perf_counter() - t0
+        _, row = measure(stream, compiled, ref, ref_times, warm=False)
+        row.update(compile_s=compile_s, replays=None, fallbacks=None,
+                   graph_breaks=sum(counters["graph_break"].values()),
+                   graph_break_reasons=list(counters["graph_break"])[:5],
+                   unique_graphs=counters["stats"].get("unique_graphs"),
+                   cudagraph_skips=counters["inductor"].get("cudagraph_skips"),
+                   recompiles=counters["recompiles"] and dict(counters["recompiles"]),
+                   status="ok" if row["bit_exact_blocks"] == row["blocks"] else
+                   f"runs, not bit-exact ({row['bit_exact_blocks']}/{row['blocks']} chunks)")
+        if row["bit_exact_blocks"] < row["blocks"]:
+            out = stream.run(compiled)
+            row["max_abs_diff_mel"] = max(float((a[0] - b[0]).abs().max()) for a, b in zip(ref, out))
+        return row
+    finally:
+        del compiled
+        torch._dynamo.reset()
+        cleanup()
+
+
+# -- parts ---------------------------------------------------------------------------------------
+
+def cfm_part(args, configs):
+    stream = CFMStream(args.depth, args.chunks)
+    cleanup()
+    res = {"model": f"CFMStep, DiT depth {args.depth}, 10 Euler steps, CFG 0.7",
+           "chunks": len(stream.xs), "widths": stream.widths, "turn_resets": sorted(stream.resets)}
+    ref, e = measure(stream, stream.step, None, None)
+    e.update(replays=0, fallbacks=0, status="ok")
+    res["E"] = e
+    jobs = {
+        "S": lambda: run_cadence(stream, ref, e["times_ms"], graphs=False),
+        "SRc": lambda: run_cadence(stream, ref, e["times_ms"], release_envelopes=True),
+        "R": lambda: run_cadence(stream, ref, e["times_ms"], state_rule=False),
+        "Rc": lambda: run_cadence(stream, ref, e["times_ms"],
+                                  options=Options(state_rule=False, alias_state=True)),
+        "V": lambda: run_vendor(stream, ref, e["times_ms"], rebucket=False),
+        "B": lambda: run_vendor(stream, ref, e["times_ms"], rebucket=True),
+        "T": lambda: run_torch_compile(stream, ref, e["times_ms"], args.t_mode),
+    }
+    for name in configs:
+        if name in ("E", "TM"):
+            continue
+        t0 = time.perf_counter()
+        try:
+            res[name] = jobs[name]()
+        except Exception as ex:  # noqa: BLE001 - recorded, the suite goes on
+            res[name] = {"status": f"failed: {type(ex).__name__}: {str(ex).splitlines()[0][:300]}",
+                         "traceback": traceback.format_exc()[-2000:]}
+            cleanup()
+        res[name]["config_wall_s"] = time.perf_counter() - t0
+        print(f"{name}: {json.dumps({k: res[name].get(k) for k in ROW_KEYS})}", flush=True)
+    if "TM" in configs:
+        res["TM"] = run_subprocess_config("TM", args)
+    return res
+
+
+def run_subprocess_config(name, args):
+    """A configuration that may not finish (max-autotune): its own process, a wall-clock limit."""
+    out = f"/tmp/suite-{name}.json"
+    cmd = [sys.executable, __file__, "--out", out, "--parts", "cfm", "--configs", "E,T",
+           "--depth", str(args.depth), "--chunks", str(args.chunks), "--t-mode", "max-autotune"]
+    t0 = time.perf_counter()
+    try:
+        subprocess.run(cmd, timeout=args.tm_timeout, check=True, capture_output=True, text=True)
+        with open(out) as f:
+            row = json.load(f)["cfm"]["T"]
+        row["note"] = "mode='max-autotune', in a subprocess"
+        return row
+    except subprocess.TimeoutExpired:
+        return {"status": f"did not finish compiling and running within {args.tm_timeout} s "
+                          "(max-autotune)", "wall_s": time.perf_counter() - t0}
+    except Exception as ex:  # noqa: BLE001
+        return {"status": f"failed: {type(ex).__name__}: {str(ex)[-300:]}"}
+
+
+def whole_part(args):
+    """The whole chunk (flow + HiFT), E vs SRc, deterministic kernels on both sides."""
+    cadence_fx.pin_deterministic_kernels()   # stock HiFT is not reproducible without them
+    sys.path.insert(0, HERE)
+    import token2wav_chunk as tc
+    from cadence_fx.models.token2wav import FlowStep, HiFTStep, build_flow, build_hift, prime_flow
+    flow = FlowStep(build_flow(args.depth, device="cuda"))
+    hift = HiFTStep(build_hift(device="cuda"))
+    spk, prompt = prime_flow(flow, device="cuda")
+    turn = args.chunks // 2
+    last = ([False] * (turn - 1) + [True]) * 2
+    g = torch.Generator().manual_seed(5)
+    tokens = [torch.randint(0, 6561, (1, 28), generator=g).cuda() for _ in last]
+    cleanup()
+    res = {}
+    tc.run(flow, hift, spk, prompt, tokens, last, turn)
+    torch.cuda.reset_peak_memory_stats()
+    ref, ref_ms = tc.run(flow, hift, spk, prompt, tokens, last, turn)
+    res["E"] = {"p50_ms": statistics.median(ref_ms), "p95_ms": p95(ref_ms),
+                "peak_bytes": torch.cuda.max_memory_allocated(),
+                "reserved_bytes": torch.cuda.memory_reserved(), "blocks": len(ref),
+                "bit_exact_blocks": len(ref), "replays": 0, "fallbacks": 0, "status": "ok"}
+    t0 = time.perf_counter()
+    cflow = cadence_fx.compile(flow, "minicpmo-token2wav-flow", release_envelopes=True)
+    chift = cadence_fx.compile(hift, "minicpmo-token2wav-hift")
+    tc.run(cflow, chift, spk, prompt, tokens, last, turn)
+    cold_s = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    ours, ms = tc.run(cflow, chift, spk, prompt, tokens, last, turn)
+    res["SRc"] = {"p50_ms": statistics.median(ms), "p95_ms": p95(ms),
+                  "peak_bytes": torch.cuda.max_memory_allocated(),
+                  "reserved_bytes": torch.cuda.memory_reserved(), "blocks": len(ours),
+                  "bit_exact_blocks": sum(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                                          for a, b in zip(ref, ours)),
+                  "replays": cflow.counters.replays + chift.counters.replays,
+                  "fallbacks": cflow.counters.fallbacks + chift.counters.fallbacks,
+                  "cold_compile_s": cold_s,
+                  "trace_s": sum(e.traced.seconds for c in (cflow, chift) for e in c.classes.values()),
+                  "capture_s": sum(getattr(c.backend, "capture_seconds", 0.0) for c in (cflow, chift)),
+                  "classes": len(cflow.classes) + len(chift.classes), "status": "ok"}
+    res["SRc"]["ratio_vs_E_ci95"], res["SRc"]["ratio_vs_E_mean"] = ratio_ci(ms, ref_ms)
+    res["deterministic_kernels"] = True
+    cflow.close()
+    chift.close()
+    return res
+
+
+def moshi_part(args):
+    out = "/tmp/suite-moshi.json"
+    subprocess.run([sys.executable, os.path.join(HERE, "moshi_frame.py"), "--out", out],
+                   check=True, timeout=900)
+    with open(out) as f:
+        return json.load(f)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--configs", default="E,S,SRc,R,Rc,V,B,T,TM")
+    ap.add_argument("--parts", default="cfm,whole,moshi")
+    ap.add_argument("--depth", type=int, default=16)
+    ap.add_argument("--chunks", type=int, default=12)
+    ap.add_argument("--tm-timeout", type=int, default=300)
+    ap.add_argument("--t-mode", default="reduce-overhead", help="torch.compile mode of T")
+    args = ap.parse_args()
+    configs = args.configs.split(",")
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "cuda": torch.version.cuda, "commit": os.environ.get("CADENCE_COMMIT", "unknown"),
+              "deterministic_kernels": "cfm: no; whole_chunk: yes (both sides)"}
+    t0 = time.perf_counter()
+    parts = args.parts.split(",")
+    if "cfm" in parts:
+        result["cfm"] = cfm_part(args, configs)
+        for name, row in result["cfm"].items():   # the flat per-configuration view
+            if isinstance(row, dict) and "status" in row:
+                result[name] = {k: row.get(k) for k in ROW_KEYS}
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if "whole" in parts:
+        try:
+            result["whole_chunk"] = whole_part(args)
+        except Exception as ex:  # noqa: BLE001
+            result["whole_chunk"] = {"status": f"failed: {type(ex).__name__}: {ex}"}
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if "moshi" in parts:
+        try:
+            m = moshi_part(args)
+            result["moshi"] = {"E": m["E"], "V": m.get("V"), "cadence": m["cadence"],
+                               "streams": m["streams"], "frames_per_stream": m["frames_per_stream"]}
+        except Exception as ex:  # noqa: BLE001
+            result["moshi"] = {"status": f"failed: {type(ex).__name__}: {ex}"}
+    result["wall_s"] = time.perf_counter() - t0
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({k: v for k, v in result.items() if k in ROW_KEYS or len(k) <= 3}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
