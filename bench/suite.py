@@ -135,12 +135,17 @@ def same_chunk(a, b):
     return True
 
 
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def measure(stream, step, ref, ref_times, *, warm=True, prof=True):
     """Warm-up pass, timed pass (peak memory over it), profiled pass."""
     t0 = time.perf_counter()
     if warm:
         stream.run(step)
     warm_s = time.perf_counter() - t0
+    log(f"  warm pass {warm_s:.1f} s")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = []
@@ -149,13 +154,16 @@ def measure(stream, step, ref, ref_times, *, warm=True, prof=True):
            "peak_bytes": torch.cuda.max_memory_allocated(),
            "reserved_bytes": torch.cuda.memory_reserved(),
            "blocks": len(outs), "warm_pass_s": warm_s, "times_ms": times}
+    log(f"  timed pass p50 {row['p50_ms']:.1f} ms")
     row["bit_exact_blocks"] = len(outs) if ref is None else sum(map(same_chunk, ref, outs))
+    log(f"  compared: {row['bit_exact_blocks']}/{len(outs)} bit-exact")
     if ref_times is not None:
         row["ratio_vs_E_ci95"], row["ratio_vs_E_mean"] = ratio_ci(times, ref_times)
     if prof:
         kernel_ms, launches = profile(lambda: stream.run(step))
         row["floor_ms"] = kernel_ms / len(outs)
         row["launches_per_chunk"] = {k: v / len(outs) for k, v in launches.items()}
+        log(f"  profiled: {row['floor_ms']:.1f} ms kernel time per chunk")
     return outs, row
 
 
@@ -278,14 +286,16 @@ def run_torch_compile(stream, ref, ref_times, mode):
 
 # -- parts ---------------------------------------------------------------------------------------
 
-def cfm_part(args, configs):
+def cfm_part(args, configs, save):
     stream = CFMStream(args.depth, args.chunks)
     cleanup()
     res = {"model": f"CFMStep, DiT depth {args.depth}, 10 Euler steps, CFG 0.7",
            "chunks": len(stream.xs), "widths": stream.widths, "turn_resets": sorted(stream.resets)}
+    log("E")
     ref, e = measure(stream, stream.step, None, None)
     e.update(replays=0, fallbacks=0, status="ok")
     res["E"] = e
+    save(res)
     jobs = {
         "S": lambda: run_cadence(stream, ref, e["times_ms"], graphs=False),
         "SRc": lambda: run_cadence(stream, ref, e["times_ms"], release_envelopes=True),
@@ -300,6 +310,7 @@ def cfm_part(args, configs):
         if name in ("E", "TM"):
             continue
         t0 = time.perf_counter()
+        log(name)
         try:
             res[name] = jobs[name]()
         except Exception as ex:  # noqa: BLE001 - recorded, the suite goes on
@@ -308,6 +319,7 @@ def cfm_part(args, configs):
             cleanup()
         res[name]["config_wall_s"] = time.perf_counter() - t0
         print(f"{name}: {json.dumps({k: res[name].get(k) for k in ROW_KEYS})}", flush=True)
+        save(res)
     if "TM" in configs:
         res["TM"] = run_subprocess_config("TM", args)
     return res
@@ -403,14 +415,18 @@ def main():
               "deterministic_kernels": "cfm: no; whole_chunk: yes (both sides)"}
     t0 = time.perf_counter()
     parts = args.parts.split(",")
-    if "cfm" in parts:
-        result["cfm"] = cfm_part(args, configs)
-        for name, row in result["cfm"].items():   # the flat per-configuration view
+    def save(cfm):
+        result["cfm"] = cfm
+        for name, row in cfm.items():   # the flat per-configuration view
             if isinstance(row, dict) and "status" in row:
                 result[name] = {k: row.get(k) for k in ROW_KEYS}
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+
+    if "cfm" in parts:
+        save(cfm_part(args, configs, save))
     if "whole" in parts:
+        log("whole chunk")
         try:
             result["whole_chunk"] = whole_part(args)
         except Exception as ex:  # noqa: BLE001
@@ -418,6 +434,7 @@ def main():
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     if "moshi" in parts:
+        log("moshi")
         try:
             m = moshi_part(args)
             result["moshi"] = {"E": m["E"], "V": m.get("V"), "cadence": m["cadence"],
