@@ -71,14 +71,16 @@ def cleanup():
 
 
 def profile(run):
-    """Kernel time (ms) and launches (kernel launches, graph launches, async copies) of ``run()``."""
+    """Kernel time (ms, copies and memsets excluded) and launches (kernel launches, graph
+    launches, async copies) of ``run()``."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as torch_profile
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
     avg = prof.key_averages()
-    kernel_us = sum(e.self_device_time_total for e in avg if e.device_type == DeviceType.CUDA)
+    kernel_us = sum(e.self_device_time_total for e in avg if e.device_type == DeviceType.CUDA
+                    and not e.key.startswith(("Memcpy", "Memset")))
     launches = {}
     for e in avg:
         if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
@@ -101,9 +103,11 @@ class CFMStream:
                    for w in self.widths]
         self.resets = {0, len(self.xs) // 2}
 
-    def run(self, step, times=None):
+    def run(self, step, times=None, keep=True, limit=None):
+        """One pass; ``keep`` copies every chunk's mel and state to the host for comparison
+        (after the chunk's timing), ``limit`` stops after that many chunks."""
         outs, state = [], self.prompt
-        for i, (mu, cond) in enumerate(self.xs):
+        for i, (mu, cond) in enumerate(self.xs[:limit]):
             if i in self.resets:
                 state = self.prompt
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -114,7 +118,8 @@ class CFMStream:
             if times is not None:
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end))
-            outs.append((mel.cpu(), {k: v.cpu() for k, v in state.items()}))
+            if keep:
+                outs.append((mel.cpu(), {k: v.cpu() for k, v in state.items()}))
         return outs
 
 
@@ -143,7 +148,7 @@ def measure(stream, step, ref, ref_times, *, warm=True, prof=True):
     """Warm-up pass, timed pass (peak memory over it), profiled pass."""
     t0 = time.perf_counter()
     if warm:
-        stream.run(step)
+        stream.run(step, keep=False)
     warm_s = time.perf_counter() - t0
     log(f"  warm pass {warm_s:.1f} s")
     torch.cuda.synchronize()
@@ -159,10 +164,12 @@ def measure(stream, step, ref, ref_times, *, warm=True, prof=True):
     log(f"  compared: {row['bit_exact_blocks']}/{len(outs)} bit-exact")
     if ref_times is not None:
         row["ratio_vs_E_ci95"], row["ratio_vs_E_mean"] = ratio_ci(times, ref_times)
-    if prof:
-        kernel_ms, launches = profile(lambda: stream.run(step))
-        row["floor_ms"] = kernel_ms / len(outs)
-        row["launches_per_chunk"] = {k: v / len(outs) for k, v in launches.items()}
+    if prof:  # two steady chunks, nothing copied to the host
+        n = 2
+        kernel_ms, launches = profile(lambda: stream.run(step, keep=False, limit=1 + n))
+        first_ms, first = profile(lambda: stream.run(step, keep=False, limit=1))  # turn start
+        row["floor_ms"] = (kernel_ms - first_ms) / n
+        row["launches_per_chunk"] = {k: (v - first.get(k, 0)) / n for k, v in launches.items()}
         log(f"  profiled: {row['floor_ms']:.1f} ms kernel time per chunk")
     return outs, row
 
@@ -244,12 +251,19 @@ def run_vendor(stream, ref, ref_times, rebucket):
             stream.step.cfm.scatter_cuda_graph(True)   # the branch as shipped
         capture_s = time.perf_counter() - t0
         dit.graph_chunk = {k: CountingGraph(g, counter) for k, g in dit.graph_chunk.items()}
+        calls, forward_chunk = [0], dit.forward_chunk
+
+        def counted(*a, **k):   # every estimator call (10 Euler steps per chunk)
+            calls[0] += 1
+            return forward_chunk(*a, **k)
+        dit.forward_chunk = counted
         _, row = measure(stream, stream.step, ref, ref_times)
-        calls = 3 * len(stream.xs)   # warm-up, timed, profiled passes
-        row.update(replays=counter[0], fallbacks=calls - counter[0], capture_s=capture_s,
-                   buckets=sorted(dit.graph_chunk), status="ok")
+        row.update(replays=counter[0], fallbacks=calls[0] - counter[0], estimator_calls=calls[0],
+                   capture_s=capture_s, buckets=sorted(dit.graph_chunk), status="ok",
+                   note="replays and fallbacks count estimator calls (10 per chunk)")
         return row
     finally:
+        dit.__dict__.pop("forward_chunk", None)
         dit.use_cuda_graph = False
         dit.graph_chunk, dit.inference_buffers_chunk, dit.max_size_chunk = {}, {}, {}
         cleanup()

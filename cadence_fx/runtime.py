@@ -358,9 +358,12 @@ class CompiledStep:
                           backend=self.backend, counters=self.counters, strict=self.strict,
                           constant_ids=self._constant_ids,
                           alias_state=self.options.alias_state and not self.options.state_rule)
+        released = sorted(self._released)
+        self._restore_envelopes(keep=False)   # passes may read the stock buffers they replace
         try:
             gm = run_pipeline(gm, ctx, self._pipeline)
         except PassFailed as e:
+            self._release(released)
             if self.strict:
                 raise
             log.warning("class %s runs the stock step: %s", key[0], e)
@@ -370,7 +373,7 @@ class CompiledStep:
         # written by the compiled path (envelopes replaced by carries are gone by now).
         if self.release_envelopes:
             still_used = {spec.name for spec in ctx.inputs if spec.kind == "buffer"}
-            self._release(sorted(written_before - still_used))
+            self._release(sorted(set(released) | (written_before - still_used)))
         unsplit = ctx.records.get("graph", gm)
         for spec in _written_inputs(unsplit, ctx.inputs):
             if spec.kind == "buffer" and spec.name not in self._private:
