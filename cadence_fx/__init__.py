@@ -4,7 +4,7 @@ from .determinism import pin_deterministic_kernels
 from .contract import APPEND, PREPEND, Adapter, Effects, PromptRetained, Region, Ring, SlidingWindow
 from .errors import CadenceError, ContractError, GuardError, ShadowMismatch, TraceError
 
-__all__ = ["compile", "CompiledStep", "Adapter", "Region", "PromptRetained", "Ring", "SlidingWindow",
+__all__ = ["compile", "CompiledStep", "SessionPool", "Adapter", "Region", "PromptRetained", "Ring", "SlidingWindow",
            "Effects", "PREPEND", "APPEND", "build_catalog", "Catalog", "CadenceError",
            "ContractError", "TraceError", "ShadowMismatch", "GuardError", "pin_deterministic_kernels"]
 
@@ -15,4 +15,7 @@ def __getattr__(name):  # the runtime pulls in torch.fx machinery; load it on fi
     if name in ("compile", "CompiledStep"):
         from . import runtime
         return getattr(runtime, name)
+    if name == "SessionPool":
+        from .sessions import SessionPool
+        return SessionPool
     raise AttributeError(name)

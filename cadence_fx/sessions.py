@@ -1,0 +1,176 @@
+"""Many conversations on one compiled step: each session owns its state, the graphs are shared.
+
+A ``CompiledStep`` binds its captured graphs to the fixed addresses of its carries. A
+``SessionPool`` time-multiplexes sessions over that one set of graphs, in the order their chunks
+arrive: the session whose chunk runs has its region state in the carries (it is *resident*); when
+another session's chunk comes, the resident session's regions are copied out into that session's
+own snapshot buffers (allocated once, at the carry's declared size), and the arriving session's
+snapshot is copied in by the ordinary absorption of foreign state. A session that runs twice in a
+row costs no copy at all. Every other piece of state (offsets, small caches) lives in the
+session's own tensors. Hence a session's outputs never depend on which sessions ran between its
+chunks, and the resident memory of one more session is its snapshot, not another set of graphs.
+
+    pool = SessionPool(compiled)            # compiled = cadence_fx.compile(step, adapter)
+    a = pool.open(prompt_state)             # the session's starting state (never written)
+    mel, state = pool.step(a, mu, spks, cond)   # the step's arguments, without the state
+    pool.reset(a, prompt_state)             # turn boundary
+    pool.close(a)
+
+``step`` returns what the compiled step returns. Region results in it are views of the shared
+carries: valid until another session's chunk runs (the pool keeps the session's own copy).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+
+from .errors import ContractError
+
+__all__ = ["SessionPool"]
+
+
+def _locate(tree: Any, path: str) -> Optional[Tuple[Any, Any]]:
+    """``(container, key)`` of the leaf at ``path`` ("a.b" walks dicts, lists and tuples; a dict
+    key may itself contain dots)."""
+    if isinstance(tree, dict) and path in tree:
+        return tree, path
+    head, _, rest = path.partition(".")
+    if isinstance(tree, dict) and head in tree and rest:
+        return _locate(tree[head], rest)
+    if isinstance(tree, (list, tuple)) and head.isdigit() and rest:
+        return _locate(tree[int(head)], rest)
+    if isinstance(tree, (list, tuple)) and path.isdigit():
+        return tree, int(path)
+    return None
+
+
+class _Session:
+    def __init__(self, state):
+        self.state = state
+        self.snapshots: Dict[str, torch.Tensor] = {}
+        self.chunks = 0
+
+
+class SessionPool:
+    """Sessions over one ``CompiledStep`` (see the module docstring)."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        self.adapter = compiled.adapter
+        args = list(compiled._arguments.parameters)
+        heads = {r.input.split(".", 1)[0] for r in self.adapter.regions}
+        outs = {r.output.split(".", 1)[0] for r in self.adapter.regions}
+        if len(heads) != 1 or len(outs) != 1 or not next(iter(outs)).isdigit():
+            raise ContractError(
+                f"adapter {self.adapter.name!r}: a session pool needs every region in one state "
+                f"argument and one result (inputs {sorted(heads)}, outputs {sorted(outs)})")
+        self.state_arg = heads.pop()
+        if self.state_arg not in args:
+            raise ContractError(f"the step has no argument {self.state_arg!r} (its arguments: {args})")
+        self.state_out = int(outs.pop())
+        self._sessions: Dict[int, _Session] = {}
+        self._ids = itertools.count()
+        self.resident: Optional[int] = None
+        self.swaps = 0           # resident sessions copied out to their snapshots
+
+    # -- the API -----------------------------------------------------------------------------
+    def open(self, state) -> int:
+        """A new session starting from ``state`` (e.g. the prompt state); returns its id."""
+        sid = next(self._ids)
+        self._sessions[sid] = _Session(self._own(state))
+        return sid
+
+    def reset(self, sid: int, state) -> None:
+        """Turn boundary: the session restarts from ``state``."""
+        session = self._get(sid)
+        session.state = self._own(state)
+        if self.resident == sid:
+            self.resident = None   # its old data in the carries is no longer wanted
+
+    def close(self, sid: int) -> None:
+        self._get(sid)
+        del self._sessions[sid]
+        if self.resident == sid:
+            self.resident = None
+
+    def step(self, sid: int, *args, **kwargs):
+        """Run one chunk of session ``sid``: the step's arguments without the state."""
+        session = self._get(sid)
+        if self.state_arg in kwargs:
+            raise TypeError(f"pass the step's arguments without {self.state_arg!r}: the pool "
+                            "holds each session's state")
+        if self.resident is not None and self.resident != sid:
+            self._save(self._sessions[self.resident])
+        kwargs[self.state_arg] = session.state
+        compiled_before = self.compiled.counters.compiled_calls
+        result = self.compiled(*args, **kwargs)
+        session.chunks += 1
+        if self.compiled.counters.compiled_calls > compiled_before:
+            session.state = result[self.state_out]
+            self.resident = sid
+        else:
+            # The stock step ran (a call outside the catalog). Its state may be views of the
+            # module's own scratch buffers, which the next stock call of any session overwrites:
+            # the session takes its own copy, and no session is resident in the carries.
+            session.state = pytree.tree_map(
+                lambda t: t.clone() if isinstance(t, torch.Tensor) else t, result[self.state_out])
+            self.resident = None
+        return result
+
+    @property
+    def sessions(self) -> List[int]:
+        return sorted(self._sessions)
+
+    def state(self, sid: int):
+        """The session's current state (region entries may be views of the shared carries)."""
+        return self._get(sid).state
+
+    def snapshot_bytes(self, sid: int) -> int:
+        return sum(t.numel() * t.element_size() for t in self._get(sid).snapshots.values())
+
+    # -- internals ---------------------------------------------------------------------------
+    def _get(self, sid: int) -> _Session:
+        if sid not in self._sessions:
+            raise KeyError(f"no session {sid!r} in this pool (open: {self.sessions}); "
+                           "open one with pool.open(state)")
+        return self._sessions[sid]
+
+    def _own(self, state):
+        """The session's copy of a starting state: region tensors are absorbed by copy (never
+        written), every other tensor is cloned, so sessions never share a written tensor."""
+        region_leaves = set()
+        for r in self.adapter.regions:
+            found = _locate({self.state_arg: state}, r.input)
+            if found is not None:
+                region_leaves.add(id(found[0][found[1]]))
+        flat, spec = pytree.tree_flatten(state)
+        own = [t if not isinstance(t, torch.Tensor) or id(t) in region_leaves else t.clone()
+               for t in flat]
+        return pytree.tree_unflatten(own, spec)
+
+    def _save(self, session: _Session) -> None:
+        """Copy the resident session's regions out of the carries into its own snapshots."""
+        root = {self.state_arg: session.state}
+        for r in self.adapter.regions:
+            carry = self.compiled.carries.get(r.name)
+            found = _locate(root, r.input)
+            if carry is None or found is None:
+                continue
+            container, key = found
+            t = container[key]
+            if not (isinstance(t, torch.Tensor) and carry.holds(t)):
+                continue   # already the session's own tensor
+            snap = session.snapshots.get(r.name)
+            if snap is None:
+                snap = session.snapshots[r.name] = torch.empty_like(carry.tensor)
+            frames = t.shape[r.dim]
+            with torch.no_grad():
+                snap.narrow(r.dim, 0, frames).copy_(t)
+            view = snap.narrow(r.dim, 0, frames)
+            if isinstance(container, tuple):
+                raise ContractError(f"region {r.name!r} sits in a tuple; the pool needs a dict or list")
+            container[key] = view
+        self.swaps += 1

@@ -1,0 +1,137 @@
+"""Session pools: many conversations over one compiled step. A session's outputs never depend on
+which sessions ran between its chunks (bit-exact against the session run alone), whatever the
+interleaving, turn resets and calls outside the catalog; bad ids get a clear error."""
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cadence_fx
+from cadence_fx.models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
+
+SEED_WIDTHS = (8, 8, 8, 10, 8, 4)   # 8: steady, 10: the longer last call, 4: a partial flush
+# The long run (on the device: CADENCE_FX_SCHEDULES=10000 CADENCE_FX_DEVICE=cuda) uses the same test.
+SCHEDULES = int(os.environ.get("CADENCE_FX_SCHEDULES", "25"))
+DEVICE = os.environ.get("CADENCE_FX_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="module")
+def toy():
+    model = PromptRetainedToy().to(DEVICE)
+    g = torch.Generator().manual_seed(11)
+    prompts = []
+    for _ in range(3):   # three speakers, three prompt states
+        with torch.no_grad():
+            _, state = model(torch.randn(1, 24, 64, generator=g).to(DEVICE), None)
+        prompts.append({k: v.clone() for k, v in state.items()})
+    return model, prompts
+
+
+@pytest.fixture(scope="module")
+def shared(toy):
+    """One compiled step for every generated schedule, as a server keeps one: classes are traced
+    (and captured) once, each schedule opens a new pool on it."""
+    return cadence_fx.compile(toy[0], PROMPT_RETAINED_ADAPTER)
+
+
+def _chunks(n, seed, widths=SEED_WIDTHS):
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    return [torch.randn(1, rng.choice(widths), 64, generator=g).to(DEVICE) for _ in range(n)]
+
+
+def _alone(model, prompt, chunks, resets):
+    """The session run by itself through the stock step."""
+    outs, state = [], prompt
+    for i, x in enumerate(chunks):
+        if i in resets:
+            state = prompt
+        with torch.no_grad():
+            y, state = model(x, state)
+        outs.append(y.clone())
+    return outs
+
+
+def _interleaved(pool, prompts, chunks, resets, order):
+    ids = [pool.open(p) for p in prompts]
+    pos = [0] * len(ids)
+    outs = [[] for _ in ids]
+    for s in order:
+        i = pos[s]
+        if i in resets[s]:
+            pool.reset(ids[s], prompts[s])
+        with torch.no_grad():
+            y, _ = pool.step(ids[s], chunks[s][i])
+        outs[s].append(y.clone())
+        pos[s] += 1
+    return outs, ids
+
+
+def _order(lengths, seed):
+    rng = random.Random(seed)
+    order = [s for s, n in enumerate(lengths) for _ in range(n)]
+    rng.shuffle(order)
+    return order
+
+
+def test_interleaved_sessions_equal_each_session_alone(toy):
+    model, prompts = toy
+    chunks = [_chunks(6, seed=s, widths=(8,)) for s in range(3)]   # steady chunks: all in the catalog
+    resets = [{3}, set(), {2, 5}]
+    pool = cadence_fx.SessionPool(cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER))
+    outs, ids = _interleaved(pool, prompts, chunks, resets, _order([6, 6, 6], seed=1))
+    for s in range(3):
+        alone = _alone(model, prompts[s], chunks[s], resets[s])
+        assert [torch.equal(a, b) for a, b in zip(alone, outs[s])] == [True] * 6
+    k = pool.compiled.counters
+    assert k.compiled_calls == 18 and k.fallbacks == 0
+    assert pool.swaps > 0 and k.carry_addresses == 1   # one set of carries, graphs shared
+    assert all(pool.snapshot_bytes(i) <= pool.compiled.carries["att"].tensor.nbytes for i in ids)
+
+
+def test_prompt_state_is_never_written(toy):
+    model, prompts = toy
+    before = {k: v.clone() for k, v in prompts[0].items()}
+    pool = cadence_fx.SessionPool(cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER))
+    a, b = pool.open(prompts[0]), pool.open(prompts[0])   # two sessions, one prompt
+    for x in _chunks(4, seed=3):
+        pool.step(a, x)
+        pool.step(b, x)
+    assert all(torch.equal(before[k], prompts[0][k]) for k in before)
+    assert torch.equal(pool.step(a, _chunks(1, 9)[0])[0], pool.step(b, _chunks(1, 9)[0])[0])
+
+
+def test_bad_session_ids_and_state_arguments(toy):
+    model, prompts = toy
+    pool = cadence_fx.SessionPool(cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER))
+    a = pool.open(prompts[0])
+    pool.close(a)
+    with pytest.raises(KeyError, match=r"no session 0 in this pool \(open: \[\]\)"):
+        pool.step(a, _chunks(1, 0)[0])
+    with pytest.raises(KeyError, match="no session 41"):
+        pool.reset(41, prompts[0])
+    b = pool.open(prompts[0])
+    with pytest.raises(TypeError, match=f"without {pool.state_arg!r}"):
+        pool.step(b, _chunks(1, 0)[0], **{pool.state_arg: prompts[0]})
+
+
+@settings(max_examples=SCHEDULES, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), lengths=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+       odd=st.booleans())
+def test_random_schedules_stay_bit_exact(toy, shared, seed, lengths, odd):
+    """Random interleavings, resets and widths; ``odd`` adds widths outside the catalog (the
+    stock step runs them) -- every session still equals itself run alone."""
+    model, prompts = toy
+    widths = SEED_WIDTHS + ((13, 3) if odd else ())
+    rng = random.Random(seed)
+    chunks = [_chunks(n, seed + s, widths) for s, n in enumerate(lengths)]
+    resets = [{i for i in range(1, n) if rng.random() < 0.25} for n in lengths]
+    pool = cadence_fx.SessionPool(shared)
+    outs, _ = _interleaved(pool, prompts[:len(lengths)], chunks, resets, _order(lengths, seed))
+    for s, n in enumerate(lengths):
+        alone = _alone(model, prompts[s], chunks[s], resets[s])
+        assert all(torch.equal(a, b) for a, b in zip(alone, outs[s]))
