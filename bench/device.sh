@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call:  bash bench/device.sh  (writes under $OUT)
-# Steps: all (tests, demo, bench) | tests | demo | moshi | chunk | bench | suite.
+# Steps: all (tests, demo, bench) | tests | demo | moshi | chunk | bench | suite | sessions | reliability.
 # Needs the model wheels in .whl/, carried along:
 #   pip wheel --no-deps minicpmo==0.1.2 -w .whl && pip download --no-deps moshi==0.2.13 -d .whl
 set -uo pipefail
@@ -39,4 +39,12 @@ if [[ $STEP == suite ]]; then
   CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 bench/suite.py --out "$OUT/suite.json" \
     --configs "${CONFIGS:-E,S,SRc,R,Rc,V,B,T,TM}" --parts "${PARTS:-cfm,whole,moshi}" ${BENCH_ARGS:-} \
     > "$OUT/suite.out" 2> "$OUT/suite.log"; echo "suite rc $?"; tail -40 "$OUT/suite.log"
+fi
+if [[ $STEP == sessions ]]; then
+  python3 bench/sessions.py --out "$OUT/sessions.json" ${BENCH_ARGS:-} > "$OUT/sessions.out" 2>&1; echo "sessions rc $?"; tail -20 "$OUT/sessions.out"
+fi
+if [[ $STEP == reliability ]]; then
+  # the long property run: >= 10,000 random session schedules with CUDA graphs
+  CADENCE_FX_SCHEDULES=${SCHEDULES:-10000} CADENCE_FX_DEVICE=cuda python3 -m pytest tests/test_sessions.py \
+    -k random_schedules -p no:cacheprovider -q --hypothesis-show-statistics 2>&1 | tee "$OUT/reliability.txt" | tail -30
 fi

@@ -48,8 +48,9 @@ def _locate(tree: Any, path: str) -> Optional[Tuple[Any, Any]]:
 
 
 class _Session:
-    def __init__(self, state):
+    def __init__(self, state, rng):
         self.state = state
+        self.rng = rng          # its own generator state when the step draws randomness
         self.snapshots: Dict[str, torch.Tensor] = {}
         self.chunks = 0
 
@@ -75,16 +76,21 @@ class SessionPool:
         self._ids = itertools.count()
         self.resident: Optional[int] = None
         self.swaps = 0           # resident sessions copied out to their snapshots
+        self._generator = None   # the device generator sessions draw from (device randomness)
 
     # -- the API -----------------------------------------------------------------------------
-    def open(self, state) -> int:
-        """A new session starting from ``state`` (e.g. the prompt state); returns its id."""
+    def open(self, state, seed: Optional[int] = None) -> int:
+        """A new session starting from ``state`` (e.g. the prompt state); returns its id.
+
+        When the adapter declares device randomness, every session draws from its own generator
+        state (swapped in around its chunks), started from ``seed`` -- or from the generator's
+        current state when no seed is given -- so its samples never depend on other sessions."""
         sid = next(self._ids)
-        self._sessions[sid] = _Session(self._own(state))
+        self._sessions[sid] = _Session(self._own(state), self._rng_start(state, seed))
         return sid
 
     def reset(self, sid: int, state) -> None:
-        """Turn boundary: the session restarts from ``state``."""
+        """Turn boundary: the session restarts from ``state`` (its generator runs on)."""
         session = self._get(sid)
         session.state = self._own(state)
         if self.resident == sid:
@@ -106,7 +112,16 @@ class SessionPool:
             self._save(self._sessions[self.resident])
         kwargs[self.state_arg] = session.state
         compiled_before = self.compiled.counters.compiled_calls
-        result = self.compiled(*args, **kwargs)
+        gen = self._generator
+        if session.rng is not None:
+            outside = gen.get_state()
+            gen.set_state(session.rng)
+        try:
+            result = self.compiled(*args, **kwargs)
+        finally:
+            if session.rng is not None:
+                session.rng = gen.get_state()
+                gen.set_state(outside)
         session.chunks += 1
         if self.compiled.counters.compiled_calls > compiled_before:
             session.state = result[self.state_out]
@@ -132,6 +147,22 @@ class SessionPool:
         return sum(t.numel() * t.element_size() for t in self._get(sid).snapshots.values())
 
     # -- internals ---------------------------------------------------------------------------
+    def _rng_start(self, state, seed):
+        if not self.adapter.effects.device_rng:
+            return None
+        if getattr(self, "_generator", None) is None:
+            device = next((t.device for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)),
+                          torch.device("cpu"))
+            self._generator = (torch.cuda.default_generators[device.index or 0]
+                               if device.type == "cuda" else torch.default_generator)
+        if seed is None:
+            return self._generator.get_state()
+        outside = self._generator.get_state()
+        self._generator.manual_seed(seed)
+        start = self._generator.get_state()
+        self._generator.set_state(outside)
+        return start
+
     def _get(self, sid: int) -> _Session:
         if sid not in self._sessions:
             raise KeyError(f"no session {sid!r} in this pool (open: {self.sessions}); "
@@ -173,4 +204,5 @@ class SessionPool:
             if isinstance(container, tuple):
                 raise ContractError(f"region {r.name!r} sits in a tuple; the pool needs a dict or list")
             container[key] = view
+        session.state = root[self.state_arg]   # the state itself may be the region's tensor
         self.swaps += 1

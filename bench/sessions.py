@@ -1,0 +1,201 @@
+"""Many Token2Wav conversations on one GPU: stock eager vs cadence_fx session pools, side by side.
+
+    python bench/sessions.py --out sessions.json [--ns 1,2,4,8,16,32] [--rounds 6] [--depth 16]
+
+A session is one Token2Wav stream (flow: conformer encoder + CFM with retention; then HiFT),
+its own prompt state, a turn reset in the middle. N sessions are served round-robin, one chunk
+each per round, in arrival order, on one GPU. A 28-token chunk is 50 mel frames = 1 s of audio,
+so a session is real-time when the time between its consecutive chunks (a round) stays under
+1 s. Stock: every session keeps its own cache dicts (cloned after each chunk: the stock step
+hands out views of shared scratch buffers). cadence_fx: one compiled flow and one compiled HiFT,
+one ``SessionPool`` each, every session owning only its snapshots.
+
+Per N and path: per-chunk p50/p95 over all sessions, round p50/p95, aggregate chunks per second,
+memory allocated with N sessions resident (after the rounds) and its growth per added session,
+and whether every round stayed under 1 s. Deterministic kernels are pinned on both sides (stock
+HiFT is not reproducible without them); every session samples from its own generator (seeded
+1000 + its index, swapped in around its chunks on both paths), and session 0's PCM at every N
+is compared bit for bit with session 0 run alone through the stock path.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import cadence_fx
+from cadence_fx.models.token2wav import (FlowStep, HiFTStep, build_flow, build_hift,
+                                         empty_hift_cache, prime_flow)
+
+REALTIME_MS = 1000.0   # 50 mel frames at 50 Hz
+
+
+def p95(xs):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
+
+
+def chunk_inputs(n_sessions, rounds, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, 6561, (1, 28), generator=g).cuda() for _ in range(rounds)]
+            for _ in range(n_sessions)]
+
+
+def serve_stock(flow, hift, spk, prompt, tokens, rounds):
+    """Round-robin over sessions with per-session state dicts (stock step, eager)."""
+    n = len(tokens)
+    half = rounds // 2
+    states = [{k: v.clone() for k, v in prompt.items()} for _ in range(n)]
+    caches = [empty_hift_cache("cuda") for _ in range(n)]
+    gen = torch.cuda.default_generators[0]
+    rngs = []
+    for s in range(n):   # each session samples from its own generator, as a session pool does
+        gen.manual_seed(1000 + s)
+        rngs.append(gen.get_state())
+    chunk_ms, round_ms, pcm0 = [], [], []
+    for r in range(rounds):
+        last = r in (half - 1, rounds - 1)
+        t_round = torch.cuda.Event(enable_timing=True)
+        t_round.record()
+        for s in range(n):
+            if r == half:   # turn boundary for every session
+                states[s] = {k: v.clone() for k, v in prompt.items()}
+                caches[s] = empty_hift_cache("cuda")
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            gen.set_state(rngs[s])
+            with torch.inference_mode():
+                with torch.autocast("cuda", dtype=torch.float32):
+                    mel, state = flow(tokens[s][r], spk, states[s], last_chunk=last)
+                pcm, cache = hift(mel, caches[s], last_chunk=last)
+            rngs[s] = gen.get_state()
+            # the stock step returns views of its scratch buffers: each session keeps a copy
+            states[s] = {k: v.clone() for k, v in state.items()}
+            caches[s] = {k: v.clone() for k, v in cache.items()}
+            end.record()
+            torch.cuda.synchronize()
+            chunk_ms.append(start.elapsed_time(end))
+            if s == 0:
+                pcm0.append(pcm.cpu())
+        end_round = torch.cuda.Event(enable_timing=True)
+        end_round.record()
+        torch.cuda.synchronize()
+        round_ms.append(t_round.elapsed_time(end_round))
+    return chunk_ms, round_ms, pcm0
+
+
+def serve_pools(cflow, chift, spk, prompt, tokens, rounds):
+    n = len(tokens)
+    half = rounds // 2
+    fpool, hpool = cadence_fx.SessionPool(cflow), cadence_fx.SessionPool(chift)
+    ids = [(fpool.open(prompt), hpool.open(empty_hift_cache("cuda"), seed=1000 + s)) for s in range(n)]
+    chunk_ms, round_ms, pcm0 = [], [], []
+    for r in range(rounds):
+        last = r in (half - 1, rounds - 1)
+        t_round = torch.cuda.Event(enable_timing=True)
+        t_round.record()
+        for s, (f, h) in enumerate(ids):
+            if r == half:
+                fpool.reset(f, prompt)
+                hpool.reset(h, empty_hift_cache("cuda"))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            with torch.inference_mode():
+                with torch.autocast("cuda", dtype=torch.float32):
+                    mel, _ = fpool.step(f, tokens[s][r], spk, last_chunk=last)
+                pcm, _ = hpool.step(h, mel, last_chunk=last)
+            end.record()
+            torch.cuda.synchronize()
+            chunk_ms.append(start.elapsed_time(end))
+            if s == 0:
+                pcm0.append(pcm.cpu())
+        end_round = torch.cuda.Event(enable_timing=True)
+        end_round.record()
+        torch.cuda.synchronize()
+        round_ms.append(t_round.elapsed_time(end_round))
+    return chunk_ms, round_ms, pcm0, (fpool, hpool)
+
+
+def summarize(chunk_ms, round_ms, n, wall_s):
+    return {"sessions": n, "chunk_p50_ms": statistics.median(chunk_ms), "chunk_p95_ms": p95(chunk_ms),
+            "round_p50_ms": statistics.median(round_ms), "round_p95_ms": p95(round_ms),
+            "chunks_per_s": len(chunk_ms) / (sum(round_ms) / 1e3),
+            "realtime": max(round_ms) < REALTIME_MS,
+            "memory_allocated": torch.cuda.memory_allocated(),
+            "max_memory_allocated": torch.cuda.max_memory_allocated(), "wall_s": wall_s}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ns", default="1,2,4,8,16,32")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--depth", type=int, default=16)
+    ap.add_argument("--stock-max-round-ms", type=float, default=3000.0,
+                    help="stop growing N on the stock path once a round takes this long")
+    args = ap.parse_args()
+    cadence_fx.pin_deterministic_kernels()
+    ns = [int(n) for n in args.ns.split(",")]
+    flow = FlowStep(build_flow(args.depth, device="cuda"))
+    hift = HiFTStep(build_hift(device="cuda"))
+    spk, prompt = prime_flow(flow, device="cuda")
+    tokens = chunk_inputs(max(ns), args.rounds)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "commit": os.environ.get("CADENCE_COMMIT", "unknown"), "depth": args.depth,
+              "rounds": args.rounds, "deterministic_kernels": True, "stock": [], "cadence": []}
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    serve_stock(flow, hift, spk, prompt, tokens[:1], args.rounds)      # warm-up
+    _, _, alone = serve_stock(flow, hift, spk, prompt, tokens[:1], args.rounds)   # session 0 alone
+    base = torch.cuda.memory_allocated()
+    for n in ns:
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        chunk_ms, round_ms, pcm0 = serve_stock(flow, hift, spk, prompt, tokens[:n], args.rounds)
+        row = summarize(chunk_ms, round_ms, n, time.perf_counter() - t0)
+        row["session0_bit_exact_vs_alone"] = all(torch.equal(a, b) for a, b in zip(alone, pcm0))
+        result["stock"].append(row)
+        save()
+        print("stock", json.dumps(row), flush=True)
+        if max(round_ms) > args.stock_max_round_ms:
+            break
+    cflow = cadence_fx.compile(flow, "minicpmo-token2wav-flow", release_envelopes=True)
+    chift = cadence_fx.compile(hift, "minicpmo-token2wav-hift")
+    t0 = time.perf_counter()
+    serve_pools(cflow, chift, spk, prompt, tokens[:1], args.rounds)      # compiles the catalog
+    result["cadence_compile_s"] = time.perf_counter() - t0
+    for n in ns:
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        chunk_ms, round_ms, pcm0, pools = serve_pools(cflow, chift, spk, prompt, tokens[:n], args.rounds)
+        row = summarize(chunk_ms, round_ms, n, time.perf_counter() - t0)
+        row["session0_bit_exact_vs_alone"] = all(torch.equal(a, b) for a, b in zip(alone, pcm0))
+        row["swaps"] = pools[0].swaps + pools[1].swaps
+        row["fallbacks"] = cflow.counters.fallbacks + chift.counters.fallbacks
+        result["cadence"].append(row)
+        del pools
+        save()
+        print("cadence", json.dumps(row), flush=True)
+    for path in ("stock", "cadence"):
+        rows = result[path]
+        ok = [r["sessions"] for r in rows if r["realtime"]]
+        result[f"{path}_realtime_sessions"] = max(ok) if ok else 0
+        if len(rows) > 1:
+            a, b = rows[0], rows[-1]
+            result[f"{path}_bytes_per_added_session"] = (
+                (b["memory_allocated"] - a["memory_allocated"]) / max(1, b["sessions"] - a["sessions"]))
+    result["base_memory_allocated"] = base
+    save()
+    print(json.dumps({k: v for k, v in result.items() if k not in ("stock", "cadence")}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
