@@ -10,6 +10,7 @@ the reason recorded (and raised in strict mode).
 """
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import inspect
@@ -419,9 +420,17 @@ class CompiledStep:
         """Free the storage of stock envelope buffers the compiled path no longer touches
         (``release_envelopes=True``). The tensors keep their shape, so later classes still trace;
         any stock code reading them before ``_restore_envelopes`` fails loudly."""
+        shared = collections.Counter(t.untyped_storage().data_ptr() for t in
+                                     [*self._params.values(), *self._buffers.values()]
+                                     if t.untyped_storage().nbytes())
         for name in names:
             buf = self._buffers[name]
             storage = buf.untyped_storage()
+            whole = (buf.storage_offset() == 0 and shared[storage.data_ptr()] == 1
+                     and storage.nbytes() == buf.numel() * buf.element_size())
+            if not whole:   # a view, or storage other tensors use: freeing it would free them
+                log.info("stock envelope %s shares its storage; it is kept", name)
+                continue
             if storage.nbytes() and name not in self._released:
                 self._released[name] = storage.nbytes()
                 storage.resize_(0)
