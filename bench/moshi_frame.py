@@ -90,8 +90,10 @@ def reset_peak():
         torch.cuda.reset_peak_memory_stats()
 
 
-def stock_streams(mimi, lm_gen, streams, reset_at, as_shipped, ticks=None):
-    """The stock loop over several streams in one streaming session (reset between streams)."""
+def stock_streams(mimi, lm_gen, streams, reset_at, as_shipped, ticks=None, warm=()):
+    """The stock loop over several streams in one streaming session, reset between streams, as a
+    server runs it. ``warm`` streams run first, untimed and not returned (the vendor path
+    captures its graphs then); the allocator peak is reset after them."""
     vendor = M.import_stock().compile
     outs = []
     with contextlib.ExitStack() as stack:
@@ -100,8 +102,9 @@ def stock_streams(mimi, lm_gen, streams, reset_at, as_shipped, ticks=None):
             stack.enter_context(vendor.no_compile())
         stack.enter_context(mimi.streaming(1))
         stack.enter_context(lm_gen.streaming(1))
-        for s, frames in enumerate(streams):
-            seed(100 + s)
+        for s, frames in enumerate([*warm, *streams]):
+            timed_stream = s >= len(warm)
+            seed(100 + s - len(warm) if timed_stream else 100)
             mimi.reset_streaming()
             lm_gen.reset_streaming()
             stream = []
@@ -109,16 +112,19 @@ def stock_streams(mimi, lm_gen, streams, reset_at, as_shipped, ticks=None):
                 if i == reset_at:
                     mimi.reset_streaming()
                     lm_gen.reset_streaming()
-                if ticks:
+                if ticks and timed_stream:
                     ticks(i)
                 with torch.no_grad():
                     tokens = lm_gen.step(mimi.encode(frame))
                     pcm = None if tokens is None else mimi.decode(tokens[:, 1:])
-                if ticks:
+                if ticks and timed_stream:
                     ticks(i)
                 stream.append((None if pcm is None else pcm.clone(),
                                None if tokens is None else tokens.clone()))
-            outs.append(stream)
+            if timed_stream:
+                outs.append(stream)
+            elif s == len(warm) - 1:
+                reset_peak()
     return outs
 
 
@@ -216,7 +222,7 @@ def main():
         try:
             t1 = time.perf_counter()
             v_ticks = Ticks()
-            vendor_outs = stock_streams_with_warmup(mimi, lm_gen, warm, timed_streams, reset_at, v_ticks)
+            vendor_outs = stock_streams(mimi, lm_gen, timed_streams, reset_at, True, v_ticks, warm=warm)
             v = {"p50_ms": statistics.median(v_ticks.times), "p95_ms": p95(v_ticks.times),
                  **memory(), "frames": len(v_ticks.times),
                  "wall_s_incl_capture": time.perf_counter() - t1,
@@ -255,36 +261,6 @@ def main():
     print(json.dumps(result, indent=1))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-
-
-def stock_streams_with_warmup(mimi, lm_gen, warm, streams, reset_at, ticks):
-    """V: one streaming session; the warm-up streams capture the vendor graphs untimed."""
-    outs = []
-    with mimi.streaming(1), lm_gen.streaming(1):
-        for s, frames in enumerate(warm + streams):
-            timed_stream = s >= len(warm)
-            seed(100 + s - len(warm)) if timed_stream else seed(100)
-            mimi.reset_streaming()
-            lm_gen.reset_streaming()
-            stream = []
-            for i, frame in enumerate(frames):
-                if i == reset_at:
-                    mimi.reset_streaming()
-                    lm_gen.reset_streaming()
-                if timed_stream:
-                    ticks(i)
-                with torch.no_grad():
-                    tokens = lm_gen.step(mimi.encode(frame))
-                    pcm = None if tokens is None else mimi.decode(tokens[:, 1:])
-                if timed_stream:
-                    ticks(i)
-                    stream.append((None if pcm is None else pcm.clone(),
-                                   None if tokens is None else tokens.clone()))
-            if timed_stream:
-                outs.append(stream)
-            else:
-                reset_peak()
-    return outs
 
 
 if __name__ == "__main__":
