@@ -47,7 +47,11 @@ def _bytes(n) -> str:
 
 def _demo(args) -> int:
     from cadence_fx.demo import run_demo
-    result = run_demo(model=args.model, device=args.device, chunks=args.chunks)
+    try:
+        result = run_demo(model=args.model, device=args.device, chunks=args.chunks)
+    except (ValueError, RuntimeError, ImportError) as e:  # bad input, no CUDA, model not installed
+        print(f"cadence-fx demo: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -48,6 +48,11 @@ def test_demo_toy_cpu(capsys):
     assert d["compiled_peak_bytes"] < d["stock_peak_bytes"]
 
 
+def test_demo_bad_input_is_a_clean_error(capsys):
+    assert main(["demo", "--model", "toy", "--chunks", "2"]) == 2
+    assert "at least 4 chunks" in capsys.readouterr().err
+
+
 def _toy_stream(step, prompt_state, xs, reset_at):
     outs, addresses, state = [], set(), prompt_state
     for i, x in enumerate(xs):
