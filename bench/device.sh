@@ -37,7 +37,7 @@ fi
 if [[ $STEP == suite ]]; then
   # the whole suite (E, S, SRc, R, Rc, V, B on the CFM loop; whole chunk; Moshi); T/TM via CONFIGS
   CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 bench/suite.py --out "$OUT/suite.json" \
-    --configs "${CONFIGS:-E,S,SRc,R,Rc,V,B,T,TM}" --parts "${PARTS:-cfm,whole,moshi}" ${BENCH_ARGS:-} \
+    --configs "${CONFIGS:-E,SRc,S,R,Rc,V,B,T,TM}" --parts "${PARTS:-cfm,whole,moshi}" ${BENCH_ARGS:-} \
     > "$OUT/suite.out" 2> "$OUT/suite.log"; echo "suite rc $?"; tail -40 "$OUT/suite.log"
 fi
 if [[ $STEP == sessions ]]; then

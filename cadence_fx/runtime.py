@@ -58,7 +58,8 @@ class CompiledStep:
                  verify: bool = False, strict: bool = False, options: Options = Options(),
                  backend=None, tracing_mode: str = "fake",
                  carries: Optional[Dict[str, Carry]] = None, graphs: bool = True,
-                 copy_outputs: bool = True, release_envelopes: bool = False):
+                 copy_outputs: bool = True, release_envelopes: bool = False,
+                 trace_cache: Optional[dict] = None):
         self.step = step
         self.adapter = adapter.validate()
         self.catalog: Catalog = build_catalog(adapter)
@@ -70,6 +71,7 @@ class CompiledStep:
         self.graphs = graphs
         self.copy_outputs = copy_outputs
         self.release_envelopes = release_envelopes
+        self.trace_cache = trace_cache    # shared between compiled steps of one module, if given
         self._released: Dict[str, int] = {}   # envelope buffer -> bytes of its freed storage
         self.tracing_mode = tracing_mode
         self.counters = Counters()
@@ -322,18 +324,25 @@ class CompiledStep:
         # stock code may register buffers lazily, after ``compile`` (Mimi's codebook cache)
         self._params.update(self.module.named_parameters())
         self._buffers.update(self.module.named_buffers())
-        rng = RngSnapshot()  # tracing runs the step's Python code: keep its draws invisible
-        try:
-            traced = trace_step(self.module, self._fn, named, tracing_mode=self.tracing_mode)
-        except TraceError as e:
-            if self.strict:
-                raise
-            log.warning("class %s runs the stock step: %s", key[0], e)
-            self._rejected[key] = f"could not be traced: {e}"
-            return None
-        finally:
-            rng.restore()
-        self.counters.traces += 1
+        cache_key = (id(self.module), getattr(self._fn, "__func__", self._fn), key)
+        cached = None if self.trace_cache is None else self.trace_cache.get(cache_key)
+        if cached is not None:
+            traced = _copy_traced(cached)
+        else:
+            rng = RngSnapshot()  # tracing runs the step's Python code: keep its draws invisible
+            try:
+                traced = trace_step(self.module, self._fn, named, tracing_mode=self.tracing_mode)
+            except TraceError as e:
+                if self.strict:
+                    raise
+                log.warning("class %s runs the stock step: %s", key[0], e)
+                self._rejected[key] = f"could not be traced: {e}"
+                return None
+            finally:
+                rng.restore()
+            self.counters.traces += 1
+            if self.trace_cache is not None:
+                self.trace_cache[cache_key] = _copy_traced(traced)
         reason = self._probe_effects(traced, named)
         if reason is not None:
             log.warning("class %s rejected: %s", key[0], reason)
@@ -480,6 +489,16 @@ class CompiledStep:
                 f"counters={self.counters.as_dict()})")
 
 
+def _copy_traced(traced: TracedStep) -> TracedStep:
+    """A traced step the passes may rewrite without touching ``traced``: a fresh graph (nodes
+    and their meta dicts copied; fake values and module attributes shared, never mutated)."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(traced.gm.graph, {})
+    graph.output(out)
+    gm = torch.fx.GraphModule(traced.gm, graph)
+    return dataclasses.replace(traced, gm=gm, inputs=list(traced.inputs), seconds=0.0)
+
+
 def _replace_leaves(named, by_path):
     leaves, spec = leaves_with_paths(named)
     return pytree.tree_unflatten([by_path.get(p, v) for p, v in leaves], spec)
@@ -497,7 +516,8 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
             graphs: Optional[bool] = None, state_rule: bool = True, constants: bool = True,
             backend=None, tracing_mode: str = "fake",
             carries: Optional[Dict[str, Carry]] = None, copy_outputs: bool = True,
-            options: Optional[Options] = None, release_envelopes: bool = False) -> CompiledStep:
+            options: Optional[Options] = None, release_envelopes: bool = False,
+            trace_cache: Optional[dict] = None) -> CompiledStep:
     """Compile a streaming step against an adapter.
 
     ``step`` is a module (its ``forward`` is the step) or a callable; a plain callable names the
@@ -511,6 +531,10 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
     ``release_envelopes=True`` frees the storage of the module's stock envelope buffers once the
     carries have replaced them (the memory the state rule saves); it comes back, zero-filled,
     whenever the stock step has to run (a fallback, the probationary call).
+    ``trace_cache``, a dict shared between compiled steps of the same module and step function,
+    lets a later step reuse the traces of an earlier one (each gets its own copy to rewrite).
+    Share it only between steps whose Python behaviour is the same: a trace bakes in every host
+    value the step reads.
     """
     if tracing_mode != "fake":
         raise ValueError(f"tracing_mode {tracing_mode!r}: cadence_fx traces exact shapes with fake "
@@ -532,4 +556,4 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
     return CompiledStep(step, adapter, module, verify=verify, strict=strict, options=options,
                         backend=backend, tracing_mode=tracing_mode, carries=carries,
                         graphs=graphs, copy_outputs=copy_outputs,
-                        release_envelopes=release_envelopes)
+                        release_envelopes=release_envelopes, trace_cache=trace_cache)

@@ -243,3 +243,17 @@ def test_release_envelopes_frees_the_stock_buffer_and_restores_it_on_fallback():
     assert all(torch.equal(a, b) for a, b in zip(run_odd(PromptRetainedToy()), run_odd(compiled)))
     assert compiled.counters.fallbacks == 1 and compiled.counters.restored_bytes == envelope
     assert model.att_cache_buffer.untyped_storage().nbytes() == envelope
+
+
+def test_trace_cache_is_shared_between_compiled_steps_of_one_module():
+    from cadence_fx.models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
+    run = _prompt_stream([8] * 5 + [10] + [8, 8], reset_at=6)
+    ref = run(PromptRetainedToy())
+    model, cache = PromptRetainedToy(), {}
+    first = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER, trace_cache=cache)
+    second = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER, trace_cache=cache, verify=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, run(first)))
+    assert all(torch.equal(a, b) for a, b in zip(ref, run(second)))   # rewritten from copies
+    assert first.counters.traces == len(cache) > 0 and second.counters.traces == 0
+    assert second.counters.retentions == first.counters.retentions > 0
+    assert sum(second.auditor.comparisons.values()) > 0
