@@ -162,6 +162,32 @@ def test_capture_failure_falls_back_with_the_reason(monkeypatch):
     assert any("capture failed" in r for r in compiled.counters.reasons)
 
 
+def test_out_of_memory_in_one_capture_leaves_the_other_classes_replaying(monkeypatch):
+    """A real allocation failure type, raised inside the capture of the second class only: that
+    class stays eager with the reason, every other class captures and replays, all bit-exact."""
+    model, prompt_state, xs = _toy()
+    stock, _, _ = _stream(model, prompt_state, xs)
+    real_graph, captures = torch.cuda.graph, []
+
+    class OneOOM(real_graph):
+        def __enter__(self):
+            captures.append(1)
+            if len(captures) == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super().__enter__()
+
+    monkeypatch.setattr(torch.cuda, "graph", OneOOM)
+    compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
+    ours, addresses, _ = _stream(compiled, prompt_state, xs)
+    assert _equal(stock, ours) and len(addresses) == 1
+    reasons = [r for r in compiled.counters.reasons if "capture failed: OutOfMemoryError" in r]
+    assert len(reasons) == 1
+    assert compiled.backend.captured == len(compiled.classes) - 1
+    assert compiled.counters.replays > 0
+    # the class that failed keeps running eagerly (its reason recorded on every call)
+    assert compiled.counters.reasons[reasons[0]] == compiled.counters.fallbacks
+
+
 def test_off_switch_and_strict(monkeypatch):
     model, prompt_state, xs = _toy()
     monkeypatch.setenv("CADENCE_FX_DISABLE_GRAPHS", "1")
