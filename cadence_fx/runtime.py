@@ -82,6 +82,8 @@ class CompiledStep:
         self._rejected: Dict[Tuple, str] = {}   # classes that run the stock step, with the reason
         self._params = dict(module.named_parameters())
         self._buffers = dict(module.named_buffers())
+        devices = {p.device for p in self._params.values()}
+        self._weights_device = devices.pop() if len(devices) == 1 else None  # checked when one
         self._extents = {r.name: set(self.catalog.region(r.name).extents) for r in adapter.regions}
         self._classes_ok = {e for e, _ in self.catalog.classes}
         self._pipeline = build_pipeline(options)
@@ -115,6 +117,7 @@ class CompiledStep:
         """Admission, absorption into the carries, and the class entry (traced on first sight)."""
         leaves, spec = leaves_with_paths(bind_arguments(self._arguments, args, kwargs))
         by_path = dict(leaves)
+        self._check_devices(by_path)
         reason = self._admission(by_path)
         if reason is not None:
             return None, by_path, reason
@@ -219,6 +222,20 @@ class CompiledStep:
                 return (f"call width {w} is neither a declared call width "
                         f"{list(self.adapter.call_widths())} nor admitted ({bound})")
         return None
+
+    def _check_devices(self, by_path) -> None:
+        """Region state and the call input must sit where the step's weights are."""
+        if self._weights_device is None:
+            return
+        named = [(f"region {r.name!r} state", r.input) for r in self.adapter.regions]
+        if self.adapter.call_input is not None:
+            named.append(("call input", self.adapter.call_input))
+        for what, path in named:
+            t = by_path.get(path)
+            if isinstance(t, torch.Tensor) and t.device != self._weights_device:
+                raise ContractError(
+                    f"{what} {path!r} is on {t.device}, but the step's weights are on "
+                    f"{self._weights_device}; move it with .to({str(self._weights_device)!r})")
 
     def _check_declared_shape(self, r, t: torch.Tensor) -> None:
         """The state must have the declared shape outside the frame dim. Stock code may reserve

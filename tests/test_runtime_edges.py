@@ -257,3 +257,14 @@ def test_trace_cache_is_shared_between_compiled_steps_of_one_module():
     assert first.counters.traces == len(cache) > 0 and second.counters.traces == 0
     assert second.counters.retentions == first.counters.retentions > 0
     assert sum(second.auditor.comparisons.values()) > 0
+
+
+def test_state_or_input_on_another_device_is_a_contract_error():
+    compiled = cadence_fx.compile(PositionBuffer(), ADAPTER)
+    x, cache = _xs([4])[0], torch.zeros(1, 8, 2)
+    with pytest.raises(cadence_fx.ContractError, match=r"region 'c' state 'cache' is on meta, but "
+                                                       r"the step's weights are on cpu"):
+        compiled(x, cache.to("meta"))
+    with pytest.raises(cadence_fx.ContractError, match=r"call input 'x' is on meta"):
+        compiled(x.to("meta"), cache)
+    assert compiled.counters.traces == 0   # refused before anything ran
