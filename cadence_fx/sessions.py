@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import ContractError
+from .errors import ContractError, GuardError
 
 __all__ = ["SessionPool"]
 
@@ -77,6 +77,7 @@ class SessionPool:
         self.resident: Optional[int] = None
         self.swaps = 0           # resident sessions copied out to their snapshots
         self._generator = None   # the device generator sessions draw from (device randomness)
+        self._calls_seen = compiled.counters.calls
 
     # -- the API -----------------------------------------------------------------------------
     def open(self, state, seed: Optional[int] = None) -> int:
@@ -108,6 +109,16 @@ class SessionPool:
         if self.state_arg in kwargs:
             raise TypeError(f"pass the step's arguments without {self.state_arg!r}: the pool "
                             "holds each session's state")
+        if self.resident is not None and self.compiled.counters.calls != self._calls_seen:
+            lost, self.resident = self.resident, None
+            self._sessions[lost].state = None
+            raise GuardError(
+                f"the compiled step ran outside this pool after session {lost}'s last chunk, so "
+                f"the carries no longer hold that session's state: pool.reset({lost}, state) "
+                "restarts it. Serve every stream of a compiled step through one pool")
+        if session.state is None:
+            raise GuardError(f"session {sid} lost its state (see the earlier error); "
+                             f"pool.reset({sid}, state) restarts it")
         if self.resident is not None and self.resident != sid:
             self._save(self._sessions[self.resident])
         kwargs[self.state_arg] = session.state
@@ -123,6 +134,7 @@ class SessionPool:
                 session.rng = gen.get_state()
                 gen.set_state(outside)
         session.chunks += 1
+        self._calls_seen = self.compiled.counters.calls
         if self.compiled.counters.compiled_calls > compiled_before:
             session.state = result[self.state_out]
             self.resident = sid

@@ -118,6 +118,24 @@ def test_bad_session_ids_and_state_arguments(toy):
         pool.step(b, _chunks(1, 0)[0], **{pool.state_arg: prompts[0]})
 
 
+def test_a_call_outside_the_pool_is_detected_not_silently_mixed_in(toy):
+    model, prompts = toy
+    compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
+    pool = cadence_fx.SessionPool(compiled)
+    a = pool.open(prompts[0])
+    x = _chunks(1, 5, widths=(8,))[0]
+    pool.step(a, x)
+    compiled(x, prompts[1])          # the same compiled step, used directly
+    b = pool.open(prompts[1])
+    with pytest.raises(cadence_fx.GuardError, match="ran outside this pool after session 0"):
+        pool.step(b, x)
+    with pytest.raises(cadence_fx.GuardError, match=r"session 0 lost its state.*pool.reset\(0"):
+        pool.step(a, x)
+    pool.step(b, x)                  # the other sessions go on
+    pool.reset(a, prompts[0])
+    assert torch.equal(pool.step(a, x)[0], model(x, prompts[0])[0])
+
+
 @settings(max_examples=SCHEDULES, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), lengths=st.lists(st.integers(1, 6), min_size=1, max_size=3),
