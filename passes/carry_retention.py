@@ -28,7 +28,9 @@ import warnings
 from typing import List, Optional, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.fx.passes.infra.pass_base import PassResult
 
 from cadence_fx.audit import check_carry_write
@@ -195,15 +197,50 @@ def _envelope_fits(buf: Node, b: RegionBinding, real: Optional[torch.Tensor]) ->
 
 
 def _propagate_meta(gm: GraphModule, changed: Node) -> None:
-    """Recompute the fake values downstream of ``changed`` (its storage shrank to the carry)."""
+    """Recompute the fake values downstream of ``changed`` (its storage shrank to the carry).
+
+    Propagation stops at a node whose recomputed value is a fresh tensor (not a view of a changed
+    storage) with the same shape, strides and dtype as before: nothing downstream of it can see
+    the change. In a DiT step that is every compute op reading the cache, so only the view
+    chains are recomputed, not the whole graph."""
     dirty = {changed}
+    storages = set(_storages(val(changed)))
     for node in gm.graph.nodes:
         if node.op != "call_function" or not any(a in dirty for a in node.all_input_nodes):
             continue
+        old = node.meta.get("val")
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
         with val(changed).fake_mode:
-            node.meta["val"] = node.target(*args, **kwargs)
+            new = node.target(*args, **kwargs)
+        node.meta["val"] = new
+        aliased = set(_storages(new)) & storages
+        if not aliased and _same_layout(old, new):
+            continue
         dirty.add(node)
+        storages.update(_storages(new))
+
+
+def _storages(v) -> List[object]:
+    return [StorageWeakRef(t.untyped_storage()) for t in pytree.tree_leaves(v)
+            if isinstance(t, torch.Tensor)]
+
+
+def _same_layout(old, new) -> bool:
+    """Same pytree of tensors with the same shape, strides, offset and dtype (values equal)."""
+    a, sa = pytree.tree_flatten(old)
+    b, sb = pytree.tree_flatten(new)
+    if sa != sb:
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if (x.shape != y.shape or x.stride() != y.stride() or x.dtype != y.dtype
+                    or x.storage_offset() != y.storage_offset()):
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 # -- the new state ----------------------------------------------------------------------------
