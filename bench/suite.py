@@ -121,7 +121,9 @@ class CFMStream:
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end))
             if keep:
-                outs.append((mel.cpu(), {k: v.cpu() for k, v in state.items()}))
+                # a host copy (never a view: stock state aliases the module's scratch buffers)
+                outs.append((mel.to("cpu", copy=True),
+                             {k: v.to("cpu", copy=True) for k, v in state.items()}))
         return outs
 
 

@@ -1,0 +1,50 @@
+"""A CPU check of the suite's own harness before spending device time:
+
+    python bench/suite_smoke.py
+
+Runs ``bench/suite.py``'s CFM part (E, SRc, S, R, Rc) at DiT depth 1 over 4 chunks on the CPU,
+with the CUDA timing and memory calls stubbed (events by ``perf_counter``, memory 0) and
+autocast off. Latencies and memory here mean nothing; what it checks is that every configuration
+runs through the harness and that the harness's comparison sees them bit-exact.
+V, B, T and TM need CUDA graphs or a GPU compiler and are not run."""
+import sys, time, types, json
+import torch
+sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+
+class Ev:
+    def __init__(self, enable_timing=False): self.t = None
+    def record(self): self.t = time.perf_counter()
+    def elapsed_time(self, other): return (other.t - self.t) * 1e3
+torch.cuda.Event = Ev
+torch.cuda.synchronize = lambda *a, **k: None
+torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
+torch.cuda.max_memory_allocated = lambda *a, **k: 0
+torch.cuda.memory_reserved = lambda *a, **k: 0
+torch.cuda.empty_cache = lambda *a, **k: None
+torch.cuda.get_device_name = lambda *a, **k: "cpu-smoke"
+_autocast = torch.autocast
+torch.autocast = lambda device_type, **k: _autocast("cpu", enabled=False)
+import suite
+torch.Tensor.cuda = lambda self, *a, **k: self
+
+class CPUStream(suite.CFMStream):
+    def __init__(self, depth, chunks):
+        from cadence_fx.models.token2wav import CFMStep, build_cfm, prime_cfm
+        self.step = CFMStep(build_cfm(depth, device="cpu"))
+        self.spks, self.prompt = prime_cfm(self.step, device="cpu")
+        g = torch.Generator().manual_seed(9)
+        turn = [50] * (chunks // 2 - 1) + [56]
+        self.widths = turn * 2
+        self.xs = [(torch.randn(1, 80, w, generator=g), torch.zeros(1, 80, w)) for w in self.widths]
+        self.resets = {0, len(self.xs) // 2}
+suite.CFMStream = CPUStream
+args = types.SimpleNamespace(depth=1, chunks=4, t_mode="reduce-overhead", tm_timeout=5)
+res = {}
+out = suite.cfm_part(args, ["E", "SRc", "S", "R", "Rc"], lambda r: res.update(r))
+for k, v in out.items():
+    if isinstance(v, dict) and "status" in v:
+        print(k, {x: v.get(x) for x in ("p50_ms", "bit_exact_blocks", "blocks", "replays", "fallbacks", "status", "classes", "traces")})
+bad = [k for k, v in out.items() if isinstance(v, dict) and "status" in v
+       and (v["status"] != "ok" or v.get("bit_exact_blocks") != v.get("blocks"))]
+print("harness ok" if not bad else f"harness problems: {bad}")
+sys.exit(1 if bad else 0)
