@@ -7,7 +7,7 @@ with the CUDA timing and memory calls stubbed (events by ``perf_counter``, memor
 autocast off. Latencies and memory here mean nothing; what it checks is that every configuration
 runs through the harness and that the harness's comparison sees them bit-exact.
 V, B, T and TM need CUDA graphs or a GPU compiler and are not run."""
-import sys, time, types, json
+import sys, time, types
 import torch
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 

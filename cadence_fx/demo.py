@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
