@@ -46,37 +46,23 @@ def chunk_inputs(n_sessions, rounds, seed=5):
             for _ in range(n_sessions)]
 
 
-def serve_stock(flow, hift, spk, prompt, tokens, rounds):
-    """Round-robin over sessions with per-session state dicts (stock step, eager)."""
-    n = len(tokens)
+def serve(n, rounds, reset, chunk):
+    """Round-robin over ``n`` sessions: ``reset(s)`` at the turn boundary (mid-stream),
+    ``chunk(s, r, last) -> pcm`` per session and round. Returns per-chunk and per-round ms and
+    session 0's PCM."""
     half = rounds // 2
-    states = [{k: v.clone() for k, v in prompt.items()} for _ in range(n)]
-    caches = [empty_hift_cache("cuda") for _ in range(n)]
-    gen = torch.cuda.default_generators[0]
-    rngs = []
-    for s in range(n):   # each session samples from its own generator, as a session pool does
-        gen.manual_seed(1000 + s)
-        rngs.append(gen.get_state())
     chunk_ms, round_ms, pcm0 = [], [], []
     for r in range(rounds):
         last = r in (half - 1, rounds - 1)
         t_round = torch.cuda.Event(enable_timing=True)
         t_round.record()
         for s in range(n):
-            if r == half:   # turn boundary for every session
-                states[s] = {k: v.clone() for k, v in prompt.items()}
-                caches[s] = empty_hift_cache("cuda")
+            if r == half:
+                reset(s)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            gen.set_state(rngs[s])
             with torch.inference_mode():
-                with torch.autocast("cuda", dtype=torch.float32):
-                    mel, state = flow(tokens[s][r], spk, states[s], last_chunk=last)
-                pcm, cache = hift(mel, caches[s], last_chunk=last)
-            rngs[s] = gen.get_state()
-            # the stock step returns views of its scratch buffers: each session keeps a copy
-            states[s] = {k: v.clone() for k, v in state.items()}
-            caches[s] = {k: v.clone() for k, v in cache.items()}
+                pcm = chunk(s, r, last)
             end.record()
             torch.cuda.synchronize()
             chunk_ms.append(start.elapsed_time(end))
@@ -89,36 +75,51 @@ def serve_stock(flow, hift, spk, prompt, tokens, rounds):
     return chunk_ms, round_ms, pcm0
 
 
-def serve_pools(cflow, chift, spk, prompt, tokens, rounds):
+def serve_stock(flow, hift, spk, prompt, tokens, rounds):
+    """The stock step with per-session state dicts (eager)."""
     n = len(tokens)
-    half = rounds // 2
+    states = [{k: v.clone() for k, v in prompt.items()} for _ in range(n)]
+    caches = [empty_hift_cache("cuda") for _ in range(n)]
+    gen = torch.cuda.default_generators[0]
+    rngs = []
+    for s in range(n):   # each session samples from its own generator, as a session pool does
+        gen.manual_seed(1000 + s)
+        rngs.append(gen.get_state())
+
+    def reset(s):
+        states[s] = {k: v.clone() for k, v in prompt.items()}
+        caches[s] = empty_hift_cache("cuda")
+
+    def chunk(s, r, last):
+        gen.set_state(rngs[s])
+        with torch.autocast("cuda", dtype=torch.float32):
+            mel, state = flow(tokens[s][r], spk, states[s], last_chunk=last)
+        pcm, cache = hift(mel, caches[s], last_chunk=last)
+        rngs[s] = gen.get_state()
+        # the stock step returns views of its scratch buffers: each session keeps a copy
+        states[s] = {k: v.clone() for k, v in state.items()}
+        caches[s] = {k: v.clone() for k, v in cache.items()}
+        return pcm
+
+    return serve(n, rounds, reset, chunk)
+
+
+def serve_pools(cflow, chift, spk, prompt, tokens, rounds):
+    """One session pool per compiled step; each session owns its snapshots and generator."""
+    n = len(tokens)
     fpool, hpool = cadence_fx.SessionPool(cflow), cadence_fx.SessionPool(chift)
     ids = [(fpool.open(prompt), hpool.open(empty_hift_cache("cuda"), seed=1000 + s)) for s in range(n)]
-    chunk_ms, round_ms, pcm0 = [], [], []
-    for r in range(rounds):
-        last = r in (half - 1, rounds - 1)
-        t_round = torch.cuda.Event(enable_timing=True)
-        t_round.record()
-        for s, (f, h) in enumerate(ids):
-            if r == half:
-                fpool.reset(f, prompt)
-                hpool.reset(h, empty_hift_cache("cuda"))
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            with torch.inference_mode():
-                with torch.autocast("cuda", dtype=torch.float32):
-                    mel, _ = fpool.step(f, tokens[s][r], spk, last_chunk=last)
-                pcm, _ = hpool.step(h, mel, last_chunk=last)
-            end.record()
-            torch.cuda.synchronize()
-            chunk_ms.append(start.elapsed_time(end))
-            if s == 0:
-                pcm0.append(pcm.cpu())
-        end_round = torch.cuda.Event(enable_timing=True)
-        end_round.record()
-        torch.cuda.synchronize()
-        round_ms.append(t_round.elapsed_time(end_round))
-    return chunk_ms, round_ms, pcm0, (fpool, hpool)
+
+    def reset(s):
+        fpool.reset(ids[s][0], prompt)
+        hpool.reset(ids[s][1], empty_hift_cache("cuda"))
+
+    def chunk(s, r, last):
+        with torch.autocast("cuda", dtype=torch.float32):
+            mel, _ = fpool.step(ids[s][0], tokens[s][r], spk, last_chunk=last)
+        return hpool.step(ids[s][1], mel, last_chunk=last)[0]
+
+    return (*serve(n, rounds, reset, chunk), (fpool, hpool))
 
 
 def summarize(chunk_ms, round_ms, n, wall_s):

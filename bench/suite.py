@@ -44,6 +44,7 @@ import traceback
 import torch
 
 import cadence_fx
+from cadence_fx.demo import same_state  # mel/state equal; undeclared stock rows zero
 from cadence_fx.pipeline import Options
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -94,14 +95,14 @@ def profile(run):
 class CFMStream:
     """The CFM stream: inputs, the stock step, and one pass of any step over it."""
 
-    def __init__(self, depth, chunks):
+    def __init__(self, depth, chunks, device="cuda"):
         from cadence_fx.models.token2wav import CFMStep, build_cfm, prime_cfm
-        self.step = CFMStep(build_cfm(depth, device="cuda"))
-        self.spks, self.prompt = prime_cfm(self.step, device="cuda")
+        self.step = CFMStep(build_cfm(depth, device=device))
+        self.spks, self.prompt = prime_cfm(self.step, device=device)
         g = torch.Generator().manual_seed(9)
         turn = [50] * (chunks // 2 - 1) + [56]
         self.widths = turn * 2
-        self.xs = [(torch.randn(1, 80, w, generator=g).cuda(), torch.zeros(1, 80, w, device="cuda"))
+        self.xs = [(torch.randn(1, 80, w, generator=g).to(device), torch.zeros(1, 80, w, device=device))
                    for w in self.widths]
         self.resets = {0, len(self.xs) // 2}
 
@@ -127,23 +128,6 @@ class CFMStream:
         return outs
 
 
-def same_chunk(a, b):
-    """mel equal; state equal on the declared rows, undeclared stock rows zero."""
-    (ma, sa), (mb, sb) = a, b
-    if ma.shape != mb.shape or not torch.equal(ma, mb):
-        return False
-    for k in sa:
-        x, y = sa[k], sb[k]
-        if x.shape != y.shape:
-            big, small = (x, y) if x.numel() > y.numel() else (y, x)
-            cut = tuple(slice(0, n) for n in small.shape)
-            if not torch.equal(big[cut], small) or big.count_nonzero() != big[cut].count_nonzero():
-                return False
-        elif not torch.equal(x, y):
-            return False
-    return True
-
-
 def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -164,7 +148,7 @@ def measure(stream, step, ref, ref_times, *, warm=True, prof=True):
            "reserved_bytes": torch.cuda.memory_reserved(),
            "blocks": len(outs), "warm_pass_s": warm_s, "times_ms": times}
     log(f"  timed pass p50 {row['p50_ms']:.1f} ms")
-    row["bit_exact_blocks"] = len(outs) if ref is None else sum(map(same_chunk, ref, outs))
+    row["bit_exact_blocks"] = len(outs) if ref is None else sum(map(same_state, ref, outs))
     log(f"  compared: {row['bit_exact_blocks']}/{len(outs)} bit-exact")
     if ref_times is not None:
         row["ratio_vs_E_ci95"], row["ratio_vs_E_mean"] = ratio_ci(times, ref_times)
@@ -333,8 +317,8 @@ def _torch_compile_row(stream, ref, ref_times, mode, target, compiled=None):
 
 # -- parts ---------------------------------------------------------------------------------------
 
-def cfm_part(args, configs, save):
-    stream = CFMStream(args.depth, args.chunks)
+def cfm_part(args, configs, save, device="cuda"):
+    stream = CFMStream(args.depth, args.chunks, device)
     cleanup()
     res = {"model": f"CFMStep, DiT depth {args.depth}, 10 Euler steps, CFG 0.7",
            "chunks": len(stream.xs), "widths": stream.widths, "turn_resets": sorted(stream.resets)}
@@ -396,14 +380,7 @@ def whole_part(args):
     cadence_fx.pin_deterministic_kernels()   # stock HiFT is not reproducible without them
     sys.path.insert(0, HERE)
     import token2wav_chunk as tc
-    from cadence_fx.models.token2wav import FlowStep, HiFTStep, build_flow, build_hift, prime_flow
-    flow = FlowStep(build_flow(args.depth, device="cuda"))
-    hift = HiFTStep(build_hift(device="cuda"))
-    spk, prompt = prime_flow(flow, device="cuda")
-    turn = args.chunks // 2
-    last = ([False] * (turn - 1) + [True]) * 2
-    g = torch.Generator().manual_seed(5)
-    tokens = [torch.randint(0, 6561, (1, 28), generator=g).cuda() for _ in last]
+    flow, hift, spk, prompt, tokens, last, turn = tc.build(args.depth, args.chunks)
     cleanup()
     res = {}
     tc.run(flow, hift, spk, prompt, tokens, last, turn)

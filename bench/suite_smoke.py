@@ -24,23 +24,11 @@ torch.cuda.empty_cache = lambda *a, **k: None
 torch.cuda.get_device_name = lambda *a, **k: "cpu-smoke"
 _autocast = torch.autocast
 torch.autocast = lambda device_type, **k: _autocast("cpu", enabled=False)
-import suite
-torch.Tensor.cuda = lambda self, *a, **k: self
+import suite  # noqa: E402 - after the stubs
 
-class CPUStream(suite.CFMStream):
-    def __init__(self, depth, chunks):
-        from cadence_fx.models.token2wav import CFMStep, build_cfm, prime_cfm
-        self.step = CFMStep(build_cfm(depth, device="cpu"))
-        self.spks, self.prompt = prime_cfm(self.step, device="cpu")
-        g = torch.Generator().manual_seed(9)
-        turn = [50] * (chunks // 2 - 1) + [56]
-        self.widths = turn * 2
-        self.xs = [(torch.randn(1, 80, w, generator=g), torch.zeros(1, 80, w)) for w in self.widths]
-        self.resets = {0, len(self.xs) // 2}
-suite.CFMStream = CPUStream
 args = types.SimpleNamespace(depth=1, chunks=4, t_mode="reduce-overhead", tm_timeout=5)
 res = {}
-out = suite.cfm_part(args, ["E", "SRc", "S", "R", "Rc"], lambda r: res.update(r))
+out = suite.cfm_part(args, ["E", "SRc", "S", "R", "Rc"], res.update, device="cpu")
 for k, v in out.items():
     if isinstance(v, dict) and "status" in v:
         print(k, {x: v.get(x) for x in ("p50_ms", "bit_exact_blocks", "blocks", "replays", "fallbacks", "status", "classes", "traces")})

@@ -46,6 +46,19 @@ def run(flow, hift, spk, prompt, tokens, last, turn):
     return out, times
 
 
+def build(depth, chunks):
+    """The real flow and HiFT on CUDA, the prompt state, and a stream of two turns of 28-token
+    chunks, each turn ending with a last chunk: ``(flow, hift, spk, prompt, tokens, last, turn)``."""
+    flow = FlowStep(build_flow(depth, device="cuda"))
+    hift = HiFTStep(build_hift(device="cuda"))
+    spk, prompt = prime_flow(flow, device="cuda")
+    turn = chunks // 2
+    last = ([False] * (turn - 1) + [True]) * 2
+    g = torch.Generator().manual_seed(5)
+    tokens = [torch.randint(0, 6561, (1, 28), generator=g).cuda() for _ in last]
+    return flow, hift, spk, prompt, tokens, last, turn
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -53,13 +66,7 @@ def main():
     ap.add_argument("--chunks", type=int, default=12)
     args = ap.parse_args()
     cadence_fx.pin_deterministic_kernels()
-    flow = FlowStep(build_flow(args.depth, device="cuda"))
-    hift = HiFTStep(build_hift(device="cuda"))
-    spk, prompt = prime_flow(flow, device="cuda")
-    turn = args.chunks // 2
-    last = ([False] * (turn - 1) + [True]) * 2
-    g = torch.Generator().manual_seed(5)
-    tokens = [torch.randint(0, 6561, (1, 28), generator=g).cuda() for _ in last]
+    flow, hift, spk, prompt, tokens, last, turn = build(args.depth, args.chunks)
     run(flow, hift, spk, prompt, tokens, last, turn)                    # warm-up
     stock, stock_ms = run(flow, hift, spk, prompt, tokens, last, turn)
     cflow = cadence_fx.compile(flow, "minicpmo-token2wav-flow")

@@ -84,6 +84,9 @@ class CompiledStep:
         self._buffers = dict(module.named_buffers())
         devices = {p.device for p in self._params.values()}
         self._weights_device = devices.pop() if len(devices) == 1 else None  # checked when one
+        self._device_checked = [(f"region {r.name!r} state", r.input) for r in adapter.regions]
+        if adapter.call_input is not None:
+            self._device_checked.append(("call input", adapter.call_input))
         self._extents = {r.name: set(self.catalog.region(r.name).extents) for r in adapter.regions}
         self._classes_ok = {e for e, _ in self.catalog.classes}
         self._pipeline = build_pipeline(options)
@@ -227,10 +230,7 @@ class CompiledStep:
         """Region state and the call input must sit where the step's weights are."""
         if self._weights_device is None:
             return
-        named = [(f"region {r.name!r} state", r.input) for r in self.adapter.regions]
-        if self.adapter.call_input is not None:
-            named.append(("call input", self.adapter.call_input))
-        for what, path in named:
+        for what, path in self._device_checked:
             t = by_path.get(path)
             if isinstance(t, torch.Tensor) and t.device != self._weights_device:
                 raise ContractError(
@@ -337,7 +337,19 @@ class CompiledStep:
         return result
 
     # -- compiling one class ----------------------------------------------------------------
-    def _compile_class(self, key, named) -> ClassEntry:
+    def _compile_class(self, key, named) -> Optional[ClassEntry]:
+        """Trace (or reuse a trace), probe, rewrite. Released envelopes get their storage back
+        for the whole of it -- the probe runs stock code and the carry pass reads the buffers it
+        replaces -- and are released again afterwards, with any this class newly replaced."""
+        released = set(self._released)
+        self._restore_envelopes(keep=False)
+        replaced: set = set()
+        try:
+            return self._compile_class_body(key, named, replaced)
+        finally:
+            self._release(sorted(released | replaced))
+
+    def _compile_class_body(self, key, named, replaced: set) -> Optional[ClassEntry]:
         # stock code may register buffers lazily, after ``compile`` (Mimi's codebook cache)
         self._params.update(self.module.named_parameters())
         self._buffers.update(self.module.named_buffers())
@@ -385,12 +397,9 @@ class CompiledStep:
                           backend=self.backend, counters=self.counters, strict=self.strict,
                           constant_ids=self._constant_ids,
                           alias_state=self.options.alias_state and not self.options.state_rule)
-        released = sorted(self._released)
-        self._restore_envelopes(keep=False)   # passes may read the stock buffers they replace
         try:
             gm = run_pipeline(gm, ctx, self._pipeline)
         except PassFailed as e:
-            self._release(released)
             if self.strict:
                 raise
             log.warning("class %s runs the stock step: %s", key[0], e)
@@ -399,8 +408,7 @@ class CompiledStep:
         # Buffers the rewritten step still writes get a private copy: the user's module is never
         # written by the compiled path (envelopes replaced by carries are gone by now).
         if self.release_envelopes:
-            still_used = {spec.name for spec in ctx.inputs if spec.kind == "buffer"}
-            self._release(sorted(set(released) | (written_before - still_used)))
+            replaced |= written_before - {spec.name for spec in ctx.inputs if spec.kind == "buffer"}
         unsplit = ctx.records.get("graph", gm)
         for spec in _written_inputs(unsplit, ctx.inputs):
             if spec.kind == "buffer" and spec.name not in self._private:
@@ -428,8 +436,6 @@ class CompiledStep:
                    for s in _written_inputs(traced.gm, traced.inputs) if s.kind in ("buffer", "arg")]
         written += [c.tensor for c in self.carries.values()]
         written += mutated_attributes(traced.gm)  # module state in plain tensor attributes
-        released = dict(self._released)
-        self._restore_envelopes(keep=False)   # the stock step needs its envelopes for the probe
         state, rng = TensorSnapshot(written), RngSnapshot()
         try:
             with torch.no_grad():
@@ -438,7 +444,6 @@ class CompiledStep:
             effects = rng.effects()
             state.restore()
             rng.restore()
-            self._release(sorted(released))
         return effects.host_reason
 
     # -- envelopes replaced by carries ---------------------------------------------------

@@ -155,11 +155,10 @@ def _slots(roots: Dict[str, nn.Module], stacks: Dict[str, str]) -> Iterator[_Slo
                 if isinstance(value, torch.Tensor):
                     yield _Slot(f"{path}:{f.name}", state, f.name)
                 elif type(value).__name__ == "RingKVCache":
-                    stack = next((r for p, r in stacks.items() if path.startswith(p + ".")), None)
-                    if stack is not None:
-                        layer = int(path[len(next(p for p in stacks if path.startswith(p + "."))) + 1:]
-                                    .split(".")[0])
-                        yield _Slot(stack, value, "cache", layer)
+                    prefix = next((p for p in stacks if path.startswith(p + ".")), None)
+                    if prefix is not None:   # "<prefix>.<layer>.self_attn"
+                        layer = int(path[len(prefix) + 1:].split(".")[0])
+                        yield _Slot(stacks[prefix], value, "cache", layer)
                     else:
                         yield _Slot(f"{path}:kv_cache.cache", value, "cache")
                     yield _Slot(f"{path}:kv_cache.end_offset", value, "end_offset")
@@ -168,16 +167,17 @@ def _slots(roots: Dict[str, nn.Module], stacks: Dict[str, str]) -> Iterator[_Slo
 class _ExplicitState(nn.Module):
     """Shared by the thin steps: enter streaming once, bind a state dict per call, read it back."""
 
-    def _setup(self, roots: Dict[str, nn.Module], stacks: Dict[str, str],
-               renames: Dict[str, str], batch: int) -> None:
-        self._roots_names = list(roots)
+    def _setup(self, enter: List[nn.Module], stacks: Dict[str, str], renames: Dict[str, str],
+               batch: int) -> None:
+        """Enter streaming on ``enter`` once; remember the fresh state as the initial one."""
         self._stacks, self._renames = stacks, renames
-        for module in roots.values():
+        for module in enter:
             module.streaming_forever(batch)
         self._initial = self._read_fresh()
 
     def _roots(self) -> Dict[str, nn.Module]:
-        return {name: getattr(self, name) for name in self._roots_names}
+        """Path prefix -> module whose streaming state the step binds."""
+        raise NotImplementedError
 
     def _all_slots(self) -> List[_Slot]:
         slots = []
@@ -200,7 +200,7 @@ class _ExplicitState(nn.Module):
 
     def initial_state(self) -> Dict[str, torch.Tensor]:
         """A fresh state (what entering streaming makes), to start a stream or a turn."""
-        return {k: v.clone() for k, v in self._initial.items()}
+        return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self._initial.items()}
 
     def _bind(self, state: Dict[str, torch.Tensor]) -> List[Tuple[_Slot, torch.Tensor]]:
         slots = self._all_slots()
@@ -249,7 +249,10 @@ class MimiStep(_ExplicitState):
     def __init__(self, mimi: nn.Module, batch: int = 1):
         super().__init__()
         self.mimi = mimi
-        self._setup({"mimi": mimi}, _MIMI_STACKS, _MIMI_RENAMES, batch)
+        self._setup([mimi], _MIMI_STACKS, _MIMI_RENAMES, batch)
+
+    def _roots(self) -> Dict[str, nn.Module]:
+        return {"mimi": self.mimi}
 
     def forward(self, pcm: torch.Tensor, state: Dict[str, torch.Tensor]):
         slots = self._bind(state)
@@ -270,21 +273,13 @@ class MoshiStep(_ExplicitState):
     def __init__(self, mimi: nn.Module, lm_gen: nn.Module, batch: int = 1):
         super().__init__()
         self.mimi, self.lm_gen = mimi, lm_gen
-        stacks = dict(_MIMI_STACKS, **{"lm_gen.lm_model.transformer.layers": "lm_kv"})
-        renames = dict(_MIMI_RENAMES, **{"lm_gen:cache": "lm_token_ring"})
-        # LMGen keeps its LM streaming (detached) inside its own state: bind both.
-        lm_gen.streaming_forever(batch)
-        mimi.streaming_forever(batch)
-        self._roots_names = ["mimi", "lm_gen", "lm_gen.lm_model"]
-        self._stacks, self._renames = stacks, renames
-        self._initial = self._read_fresh()
+        self._setup([lm_gen, mimi], dict(_MIMI_STACKS, **{"lm_gen.lm_model.transformer.layers": "lm_kv"}),
+                    dict(_MIMI_RENAMES, **{"lm_gen:cache": "lm_token_ring"}), batch)
         self._initial["lm_offset"] = 0
 
     def _roots(self) -> Dict[str, nn.Module]:
+        # LMGen keeps its LM streaming (detached) inside its own state: bind both.
         return {"mimi": self.mimi, "lm_gen": self.lm_gen, "lm_gen.lm_model": self.lm_gen.lm_model}
-
-    def initial_state(self):
-        return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self._initial.items()}
 
     def forward(self, pcm: torch.Tensor, state: Dict[str, torch.Tensor]):
         slots = self._bind(state)
