@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call:  bash bench/device.sh  (writes under $OUT)
-# Steps: all (tests, demo, bench) | tests | demo | moshi | chunk | bench | suite | sessions | reliability.
+# Steps: all (tests, demo, bench) | tests | demo | moshi | chunk | bench | suite | sessions | reliability,
+# or par "<steps for GPU 0>" "<steps for GPU 1>" ... (each under PAR_LIMIT seconds, default 540).
 # Needs the model wheels in .whl/, carried along:
 #   pip wheel --no-deps minicpmo==0.1.2 -w .whl && pip download --no-deps moshi==0.2.13 -d .whl
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install --no-deps --no-build-isolation -e .
+if [[ ! -e /tmp/site/.cadence-ready ]]; then   # once per machine (par runs its steps after it)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install --no-deps --no-build-isolation -e .
+  touch /tmp/site/.cadence-ready
+fi
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 {
   echo "commit: ${CADENCE_COMMIT:-unknown}"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -16,6 +20,23 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 } > "$OUT/env.txt"
 cat "$OUT/env.txt"
 STEP=${1:-all}
+if [[ $STEP == par ]]; then
+  # steps side by side, one GPU each, logs under $OUT/g<i>/, all packed into $OUT/results.tgz
+  # (the device returns few files):  bash bench/device.sh par "CONFIGS=E,SRc suite" "sessions"
+  shift; i=0; W=/tmp/par; rm -rf $W; mkdir -p $W
+  for job in "$@"; do
+    mkdir -p $W/g$i
+    (export CUDA_VISIBLE_DEVICES=$i OUT=$W/g$i; end=$((SECONDS + ${PAR_LIMIT:-540}))
+     for j in $job; do   # NAME=value sets the environment of the steps after it
+       if [[ $j == *=* ]]; then export "$j"
+       elif ((SECONDS < end)); then timeout $((end - SECONDS)) bash "$0" "$j" > $W/g$i/$j.txt 2>&1; fi
+     done) &
+    i=$((i + 1))
+  done
+  wait
+  cp "$OUT/env.txt" $W/; tar czf "$OUT/results.tgz" -C $W .; ls -R $W | head -50
+  exit 0
+fi
 if [[ $STEP == all || $STEP == tests ]]; then
   CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m pytest -m gpu tests -v -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt"
 fi

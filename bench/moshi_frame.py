@@ -1,6 +1,6 @@
 """Moshi full frame on one GPU: stock eager, the vendor's own CUDA-graph path, and cadence_fx.
 
-    python bench/moshi_frame.py --out moshi.json [--streams 3] [--frames 16] [--small]
+    python bench/moshi_frame.py --out moshi.json [--streams 8] [--frames 12] [--small]
 
 A frame is what ``moshi/server.py`` does per 1920 samples: Mimi encode, ``LMGen.step`` (7B LM,
 bf16, sampling with top-k), Mimi decode of the generated audio tokens. Each stream has a turn
@@ -185,8 +185,8 @@ def kernel_floor_ms(fn, frames):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--streams", type=int, default=3)
-    ap.add_argument("--frames", type=int, default=16)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--frames", type=int, default=12)
     ap.add_argument("--small", action="store_true", help="2-layer LM (a quick check)")
     ap.add_argument("--skip-vendor", action="store_true")
     args = ap.parse_args()

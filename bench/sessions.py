@@ -33,6 +33,7 @@ from cadence_fx.models.token2wav import (FlowStep, HiFTStep, build_flow, build_h
                                          empty_hift_cache, prime_flow)
 
 REALTIME_MS = 1000.0   # 50 mel frames at 50 Hz
+DEVICE = "cuda"        # --device cpu: a harness check only (bench/suite_smoke.py sessions)
 
 
 def p95(xs):
@@ -42,7 +43,7 @@ def p95(xs):
 
 def chunk_inputs(n_sessions, rounds, seed=5):
     g = torch.Generator().manual_seed(seed)
-    return [[torch.randint(0, 6561, (1, 28), generator=g).cuda() for _ in range(rounds)]
+    return [[torch.randint(0, 6561, (1, 28), generator=g).to(DEVICE) for _ in range(rounds)]
             for _ in range(n_sessions)]
 
 
@@ -79,8 +80,8 @@ def serve_stock(flow, hift, spk, prompt, tokens, rounds):
     """The stock step with per-session state dicts (eager)."""
     n = len(tokens)
     states = [{k: v.clone() for k, v in prompt.items()} for _ in range(n)]
-    caches = [empty_hift_cache("cuda") for _ in range(n)]
-    gen = torch.cuda.default_generators[0]
+    caches = [empty_hift_cache(DEVICE) for _ in range(n)]
+    gen = torch.cuda.default_generators[0] if DEVICE == "cuda" else torch.default_generator
     rngs = []
     for s in range(n):   # each session samples from its own generator, as a session pool does
         gen.manual_seed(1000 + s)
@@ -88,11 +89,11 @@ def serve_stock(flow, hift, spk, prompt, tokens, rounds):
 
     def reset(s):
         states[s] = {k: v.clone() for k, v in prompt.items()}
-        caches[s] = empty_hift_cache("cuda")
+        caches[s] = empty_hift_cache(DEVICE)
 
     def chunk(s, r, last):
         gen.set_state(rngs[s])
-        with torch.autocast("cuda", dtype=torch.float32):
+        with torch.autocast(DEVICE, dtype=torch.float32, enabled=DEVICE == "cuda"):
             mel, state = flow(tokens[s][r], spk, states[s], last_chunk=last)
         pcm, cache = hift(mel, caches[s], last_chunk=last)
         rngs[s] = gen.get_state()
@@ -108,14 +109,14 @@ def serve_pools(cflow, chift, spk, prompt, tokens, rounds):
     """One session pool per compiled step; each session owns its snapshots and generator."""
     n = len(tokens)
     fpool, hpool = cadence_fx.SessionPool(cflow), cadence_fx.SessionPool(chift)
-    ids = [(fpool.open(prompt), hpool.open(empty_hift_cache("cuda"), seed=1000 + s)) for s in range(n)]
+    ids = [(fpool.open(prompt), hpool.open(empty_hift_cache(DEVICE), seed=1000 + s)) for s in range(n)]
 
     def reset(s):
         fpool.reset(ids[s][0], prompt)
-        hpool.reset(ids[s][1], empty_hift_cache("cuda"))
+        hpool.reset(ids[s][1], empty_hift_cache(DEVICE))
 
     def chunk(s, r, last):
-        with torch.autocast("cuda", dtype=torch.float32):
+        with torch.autocast(DEVICE, dtype=torch.float32, enabled=DEVICE == "cuda"):
             mel, _ = fpool.step(ids[s][0], tokens[s][r], spk, last_chunk=last)
         return hpool.step(ids[s][1], mel, last_chunk=last)[0]
 
@@ -123,7 +124,10 @@ def serve_pools(cflow, chift, spk, prompt, tokens, rounds):
 
 
 def summarize(chunk_ms, round_ms, n, wall_s):
+    per_session = [chunk_ms[s::n] for s in range(n)]   # chunk_ms is round-major
     return {"sessions": n, "chunk_p50_ms": statistics.median(chunk_ms), "chunk_p95_ms": p95(chunk_ms),
+            "session_p50_ms": [statistics.median(x) for x in per_session],
+            "session_p95_ms": [p95(x) for x in per_session],
             "round_p50_ms": statistics.median(round_ms), "round_p95_ms": p95(round_ms),
             "chunks_per_s": len(chunk_ms) / (sum(round_ms) / 1e3),
             "realtime": max(round_ms) < REALTIME_MS,
@@ -134,17 +138,20 @@ def summarize(chunk_ms, round_ms, n, wall_s):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--ns", default="1,2,4,8,16,32")
+    ap.add_argument("--ns", default="1,2,3,4,6,8,10,12,14,16,20,24,32")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--depth", type=int, default=16)
     ap.add_argument("--stock-max-round-ms", type=float, default=3000.0,
                     help="stop growing N on the stock path once a round takes this long")
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     cadence_fx.pin_deterministic_kernels()
     ns = [int(n) for n in args.ns.split(",")]
-    flow = FlowStep(build_flow(args.depth, device="cuda"))
-    hift = HiFTStep(build_hift(device="cuda"))
-    spk, prompt = prime_flow(flow, device="cuda")
+    flow = FlowStep(build_flow(args.depth, device=DEVICE))
+    hift = HiFTStep(build_hift(device=DEVICE))
+    spk, prompt = prime_flow(flow, device=DEVICE)
     tokens = chunk_inputs(max(ns), args.rounds)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "commit": os.environ.get("CADENCE_COMMIT", "unknown"), "depth": args.depth,

@@ -48,6 +48,7 @@ from cadence_fx.demo import same_state  # mel/state equal; undeclared stock rows
 from cadence_fx.pipeline import Options
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+BLOCKS = 8   # timed passes over the whole stream per configuration (--blocks)
 ROW_KEYS = ("p50_ms", "p95_ms", "peak_bytes", "reserved_bytes", "bit_exact_blocks", "blocks",
             "replays", "fallbacks", "floor_ms", "status")
 
@@ -132,8 +133,11 @@ def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def measure(stream, step, ref, ref_times, *, warm=True, prof=True):
-    """Warm-up pass, timed pass (peak memory over it), profiled pass."""
+def measure(stream, step, ref, ref_times, *, warm=True, prof=True, blocks=None):
+    """Warm-up pass, ``blocks`` timed passes over the whole stream (peak memory over them; a block
+    is bit-exact when every one of its chunks is), profiled pass. With ``ref=None`` (E) the first
+    block is the reference and the later ones check that the stock path reproduces itself."""
+    blocks = blocks or BLOCKS
     t0 = time.perf_counter()
     if warm:
         stream.run(step, keep=False)
@@ -141,15 +145,22 @@ def measure(stream, step, ref, ref_times, *, warm=True, prof=True):
     log(f"  warm pass {warm_s:.1f} s")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    outs = stream.run(step, times)
+    times, exact_blocks, exact_chunks = [], 0, 0
+    for b in range(blocks):
+        outs = stream.run(step, times)
+        if ref is None:
+            ref = outs
+        same = list(map(same_state, ref, outs))
+        exact_blocks += all(same)
+        exact_chunks += sum(same)
+        del outs
     row = {"p50_ms": statistics.median(times), "p95_ms": p95(times),
            "peak_bytes": torch.cuda.max_memory_allocated(),
            "reserved_bytes": torch.cuda.memory_reserved(),
-           "blocks": len(outs), "warm_pass_s": warm_s, "times_ms": times}
-    log(f"  timed pass p50 {row['p50_ms']:.1f} ms")
-    row["bit_exact_blocks"] = len(outs) if ref is None else sum(map(same_state, ref, outs))
-    log(f"  compared: {row['bit_exact_blocks']}/{len(outs)} bit-exact")
+           "blocks": blocks, "chunks_per_block": len(stream.xs), "bit_exact_blocks": exact_blocks,
+           "bit_exact_chunks": exact_chunks, "warm_pass_s": warm_s, "times_ms": times}
+    log(f"  timed {blocks} blocks: p50 {row['p50_ms']:.1f} ms, p95 {row['p95_ms']:.1f} ms; "
+        f"{exact_blocks}/{blocks} blocks bit-exact")
     if ref_times is not None:
         row["ratio_vs_E_ci95"], row["ratio_vs_E_mean"] = ratio_ci(times, ref_times)
     if prof:  # two steady chunks, nothing copied to the host
@@ -159,7 +170,7 @@ def measure(stream, step, ref, ref_times, *, warm=True, prof=True):
         row["floor_ms"] = (kernel_ms - first_ms) / n
         row["launches_per_chunk"] = {k: (v - first.get(k, 0)) / n for k, v in launches.items()}
         log(f"  profiled: {row['floor_ms']:.1f} ms kernel time per chunk")
-    return outs, row
+    return ref, row
 
 
 def counters_row(compiled):
@@ -360,7 +371,8 @@ def run_subprocess_config(name, args):
     """A configuration that may not finish (max-autotune): its own process, a wall-clock limit."""
     out = f"/tmp/suite-{name}.json"
     cmd = [sys.executable, __file__, "--out", out, "--parts", "cfm", "--configs", "E,T",
-           "--depth", str(args.depth), "--chunks", str(args.chunks), "--t-mode", "max-autotune"]
+           "--depth", str(args.depth), "--chunks", str(args.chunks), "--blocks", str(args.blocks),
+           "--t-mode", "max-autotune"]
     t0 = time.perf_counter()
     try:
         subprocess.run(cmd, timeout=args.tm_timeout, check=True, capture_output=True, text=True)
@@ -376,39 +388,48 @@ def run_subprocess_config(name, args):
 
 
 def whole_part(args):
-    """The whole chunk (flow + HiFT), E vs SRc, deterministic kernels on both sides."""
+    """The whole chunk (flow + HiFT), E vs SRc, deterministic kernels on both sides, ``BLOCKS``
+    timed passes each (every pass starts from the same generator state)."""
     cadence_fx.pin_deterministic_kernels()   # stock HiFT is not reproducible without them
     sys.path.insert(0, HERE)
     import token2wav_chunk as tc
     flow, hift, spk, prompt, tokens, last, turn = tc.build(args.depth, args.chunks)
     cleanup()
+
+    def timed(f, h, ref):
+        torch.cuda.reset_peak_memory_stats()
+        ms, exact = [], 0
+        for _ in range(BLOCKS):
+            outs, t = tc.run(f, h, spk, prompt, tokens, last, turn)
+            ref = ref or outs
+            exact += all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(ref, outs))
+            ms += t
+        return ref, ms, {"p50_ms": statistics.median(ms), "p95_ms": p95(ms),
+                         "peak_bytes": torch.cuda.max_memory_allocated(),
+                         "reserved_bytes": torch.cuda.memory_reserved(), "blocks": BLOCKS,
+                         "chunks_per_block": len(tokens), "bit_exact_blocks": exact}
+
     res = {}
     tc.run(flow, hift, spk, prompt, tokens, last, turn)
-    torch.cuda.reset_peak_memory_stats()
-    ref, ref_ms = tc.run(flow, hift, spk, prompt, tokens, last, turn)
-    res["E"] = {"p50_ms": statistics.median(ref_ms), "p95_ms": p95(ref_ms),
-                "peak_bytes": torch.cuda.max_memory_allocated(),
-                "reserved_bytes": torch.cuda.memory_reserved(), "blocks": len(ref),
-                "bit_exact_blocks": len(ref), "replays": 0, "fallbacks": 0, "status": "ok"}
+    ref, ref_ms, res["E"] = timed(flow, hift, None)
+    res["E"].update(replays=0, fallbacks=0, status="ok")
+    log(f"  E p50 {res['E']['p50_ms']:.1f} ms, {res['E']['bit_exact_blocks']}/{BLOCKS} blocks reproduce")
     t0 = time.perf_counter()
     cflow = cadence_fx.compile(flow, "minicpmo-token2wav-flow", release_envelopes=True)
     chift = cadence_fx.compile(hift, "minicpmo-token2wav-hift")
     tc.run(cflow, chift, spk, prompt, tokens, last, turn)
     cold_s = time.perf_counter() - t0
-    torch.cuda.reset_peak_memory_stats()
-    ours, ms = tc.run(cflow, chift, spk, prompt, tokens, last, turn)
-    res["SRc"] = {"p50_ms": statistics.median(ms), "p95_ms": p95(ms),
-                  "peak_bytes": torch.cuda.max_memory_allocated(),
-                  "reserved_bytes": torch.cuda.memory_reserved(), "blocks": len(ours),
-                  "bit_exact_blocks": sum(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-                                          for a, b in zip(ref, ours)),
-                  "replays": cflow.counters.replays + chift.counters.replays,
-                  "fallbacks": cflow.counters.fallbacks + chift.counters.fallbacks,
-                  "cold_compile_s": cold_s,
-                  "trace_s": sum(e.traced.seconds for c in (cflow, chift) for e in c.classes.values()),
-                  "capture_s": sum(getattr(c.backend, "capture_seconds", 0.0) for c in (cflow, chift)),
-                  "classes": len(cflow.classes) + len(chift.classes), "status": "ok"}
+    _, ms, res["SRc"] = timed(cflow, chift, ref)
+    res["SRc"].update(
+        replays=cflow.counters.replays + chift.counters.replays,
+        fallbacks=cflow.counters.fallbacks + chift.counters.fallbacks,
+        cold_compile_s=cold_s,
+        trace_s=sum(e.traced.seconds for c in (cflow, chift) for e in c.classes.values()),
+        capture_s=sum(getattr(c.backend, "capture_seconds", 0.0) for c in (cflow, chift)),
+        classes=len(cflow.classes) + len(chift.classes), status="ok")
     res["SRc"]["ratio_vs_E_ci95"], res["SRc"]["ratio_vs_E_mean"] = ratio_ci(ms, ref_ms)
+    log(f"  SRc p50 {res['SRc']['p50_ms']:.1f} ms, {res['SRc']['bit_exact_blocks']}/{BLOCKS} blocks "
+        f"bit-exact, cold compile {cold_s:.1f} s")
     res["deterministic_kernels"] = True
     cflow.close()
     chift.close()
@@ -424,6 +445,7 @@ def moshi_part(args):
 
 
 def main():
+    global BLOCKS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--configs", default="E,SRc,S,R,Rc,V,B,T,TM",
@@ -432,9 +454,11 @@ def main():
     ap.add_argument("--parts", default="cfm,whole,moshi")
     ap.add_argument("--depth", type=int, default=16)
     ap.add_argument("--chunks", type=int, default=12)
+    ap.add_argument("--blocks", type=int, default=BLOCKS, help="timed passes over the stream")
     ap.add_argument("--tm-timeout", type=int, default=300)
     ap.add_argument("--t-mode", default="reduce-overhead", help="torch.compile mode of T")
     args = ap.parse_args()
+    BLOCKS = args.blocks
     configs = args.configs.split(",")
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "cuda": torch.version.cuda, "commit": os.environ.get("CADENCE_COMMIT", "unknown"),

@@ -1,12 +1,14 @@
-"""A CPU check of the suite's own harness before spending device time:
+"""A CPU check of the benchmark harnesses before spending device time:
 
-    python bench/suite_smoke.py
+    python bench/suite_smoke.py [suite|sessions]
 
 Runs ``bench/suite.py``'s CFM part (E, SRc, S, R, Rc) at DiT depth 1 over 4 chunks on the CPU,
 with the CUDA timing and memory calls stubbed (events by ``perf_counter``, memory 0) and
 autocast off. Latencies and memory here mean nothing; what it checks is that every configuration
 runs through the harness and that the harness's comparison sees them bit-exact.
-V, B, T and TM need CUDA graphs or a GPU compiler and are not run."""
+V, B, T and TM need CUDA graphs or a GPU compiler and are not run. ``sessions`` runs
+``bench/sessions.py`` (stock vs session pools, N = 1, 2, depth 1, 4 rounds) the same way and checks
+that session 0 comes out bit-exact against itself alone on both paths."""
 import sys, time, types
 import torch
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
@@ -19,12 +21,28 @@ torch.cuda.Event = Ev
 torch.cuda.synchronize = lambda *a, **k: None
 torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
 torch.cuda.max_memory_allocated = lambda *a, **k: 0
+torch.cuda.memory_allocated = lambda *a, **k: 0
 torch.cuda.memory_reserved = lambda *a, **k: 0
 torch.cuda.empty_cache = lambda *a, **k: None
 torch.cuda.get_device_name = lambda *a, **k: "cpu-smoke"
 _autocast = torch.autocast
 torch.autocast = lambda device_type, **k: _autocast("cpu", enabled=False)
+
+if sys.argv[1:] == ["sessions"]:
+    import json, os, tempfile
+    import sessions  # noqa: E402 - after the stubs
+    out = os.path.join(tempfile.mkdtemp(), "sessions.json")
+    sys.argv = ["sessions.py", "--out", out, "--device", "cpu", "--depth", "1", "--ns", "1,2",
+                "--rounds", "4"]
+    sessions.main()
+    res = json.load(open(out))
+    rows = res["stock"] + res["cadence"]
+    bad = [(r["sessions"], r.get("fallbacks")) for r in rows if not r["session0_bit_exact_vs_alone"]]
+    print("harness ok" if len(rows) == 4 and not bad else f"harness problems: {bad}, {len(rows)} rows")
+    sys.exit(1 if bad or len(rows) != 4 else 0)
+
 import suite  # noqa: E402 - after the stubs
+suite.BLOCKS = 2
 
 args = types.SimpleNamespace(depth=1, chunks=4, t_mode="reduce-overhead", tm_timeout=5)
 res = {}
