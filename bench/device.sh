@@ -29,7 +29,7 @@ if [[ $STEP == par ]]; then
     (export CUDA_VISIBLE_DEVICES=$i OUT=$W/g$i; end=$((SECONDS + ${PAR_LIMIT:-540}))
      for j in $job; do   # NAME=value sets the environment of the steps after it
        if [[ $j == *=* ]]; then export "$j"
-       elif ((SECONDS < end)); then timeout $((end - SECONDS)) bash "$0" "$j" > $W/g$i/$j.txt 2>&1; fi
+       elif ((SECONDS < end)); then timeout $((end - SECONDS)) bash "$0" "$j" >> $W/g$i/$j.txt 2>&1; fi
      done) &
     i=$((i + 1))
   done
@@ -57,9 +57,10 @@ if [[ $STEP == all || $STEP == bench ]]; then
 fi
 if [[ $STEP == suite ]]; then
   # the whole suite (E, S, SRc, R, Rc, V, B on the CFM loop; whole chunk; Moshi); T/TM via CONFIGS
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 bench/suite.py --out "$OUT/suite.json" \
+  N=${SUITE_NAME:-suite}
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 bench/suite.py --out "$OUT/$N.json" \
     --configs "${CONFIGS:-E,SRc,S,R,Rc,V,B,T,TM}" --parts "${PARTS:-cfm,whole,moshi}" ${BENCH_ARGS:-} \
-    > "$OUT/suite.out" 2> "$OUT/suite.log"; echo "suite rc $?"; tail -40 "$OUT/suite.log"
+    > "$OUT/$N.out" 2> "$OUT/$N.log"; echo "suite rc $?"; tail -40 "$OUT/$N.log"
 fi
 if [[ $STEP == sessions ]]; then
   python3 bench/sessions.py --out "$OUT/sessions.json" ${BENCH_ARGS:-} > "$OUT/sessions.out" 2>&1; echo "sessions rc $?"; tail -20 "$OUT/sessions.out"
