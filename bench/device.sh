@@ -2,10 +2,12 @@
 # Everything the GPU machine runs, in one call:  bash bench/device.sh  (writes under $OUT)
 # Steps: all (tests, demo, bench) | tests | demo | moshi | chunk | bench | suite | sessions | reliability,
 # or par "<steps for GPU 0>" "<steps for GPU 1>" ... (each under PAR_LIMIT seconds, default 540).
+# BENCH_ARGS passes arguments to the step's script; '+' separates them (BENCH_ARGS=--ns=1,2+--rounds=4).
 # Needs the model wheels in .whl/, carried along:
 #   pip wheel --no-deps minicpmo==0.1.2 -w .whl && pip download --no-deps moshi==0.2.13 -d .whl
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+BENCH_ARGS=${BENCH_ARGS:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [[ ! -e /tmp/site/.cadence-ready ]]; then   # once per machine (par runs its steps after it)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
@@ -47,23 +49,23 @@ if [[ $STEP == all || $STEP == demo ]]; then
   done
 fi
 if [[ $STEP == moshi ]]; then
-  python3 bench/moshi_frame.py --out "$OUT/moshi-frame.json" ${BENCH_ARGS:-} 2>&1 | tail -80
+  python3 bench/moshi_frame.py --out "$OUT/moshi-frame.json" ${BENCH_ARGS//+/ } 2>&1 | tail -80
 fi
 if [[ $STEP == chunk ]]; then
-  python3 bench/token2wav_chunk.py --out "$OUT/token2wav-chunk.json" ${BENCH_ARGS:-} 2>&1 | tail -60
+  python3 bench/token2wav_chunk.py --out "$OUT/token2wav-chunk.json" ${BENCH_ARGS//+/ } 2>&1 | tail -60
 fi
 if [[ $STEP == all || $STEP == bench ]]; then
-  python3 bench/replay.py --out "$OUT/bench-replay.json" ${BENCH_ARGS:-} 2>&1 | tail -80
+  python3 bench/replay.py --out "$OUT/bench-replay.json" ${BENCH_ARGS//+/ } 2>&1 | tail -80
 fi
 if [[ $STEP == suite ]]; then
   # the whole suite (E, S, SRc, R, Rc, V, B on the CFM loop; whole chunk; Moshi); T/TM via CONFIGS
   N=${SUITE_NAME:-suite}
   CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 bench/suite.py --out "$OUT/$N.json" \
-    --configs "${CONFIGS:-E,SRc,S,R,Rc,V,B,T,TM}" --parts "${PARTS:-cfm,whole,moshi}" ${BENCH_ARGS:-} \
+    --configs "${CONFIGS:-E,SRc,S,R,Rc,V,B,T,TM}" --parts "${PARTS:-cfm,whole,moshi}" ${BENCH_ARGS//+/ } \
     > "$OUT/$N.out" 2> "$OUT/$N.log"; echo "suite rc $?"; tail -40 "$OUT/$N.log"
 fi
 if [[ $STEP == sessions ]]; then
-  python3 bench/sessions.py --out "$OUT/sessions.json" ${BENCH_ARGS:-} > "$OUT/sessions.out" 2>&1; echo "sessions rc $?"; tail -20 "$OUT/sessions.out"
+  python3 bench/sessions.py --out "$OUT/sessions.json" ${BENCH_ARGS//+/ } > "$OUT/sessions.out" 2>&1; echo "sessions rc $?"; tail -20 "$OUT/sessions.out"
 fi
 if [[ $STEP == reliability ]]; then
   # the long property run: >= 10,000 random session schedules with CUDA graphs

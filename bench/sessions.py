@@ -102,7 +102,7 @@ def serve_stock(flow, hift, spk, prompt, tokens, rounds):
         caches[s] = {k: v.clone() for k, v in cache.items()}
         return pcm
 
-    return serve(n, rounds, reset, chunk)
+    return (*serve(n, rounds, reset, chunk), (states, caches))   # held: memory with N resident
 
 
 def serve_pools(cflow, chift, spk, prompt, tokens, rounds):
@@ -162,15 +162,16 @@ def main():
             json.dump(result, f, indent=1)
 
     serve_stock(flow, hift, spk, prompt, tokens[:1], args.rounds)      # warm-up
-    _, _, alone = serve_stock(flow, hift, spk, prompt, tokens[:1], args.rounds)   # session 0 alone
+    _, _, alone, _ = serve_stock(flow, hift, spk, prompt, tokens[:1], args.rounds)   # session 0 alone
     base = torch.cuda.memory_allocated()
     for n in ns:
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        chunk_ms, round_ms, pcm0 = serve_stock(flow, hift, spk, prompt, tokens[:n], args.rounds)
+        chunk_ms, round_ms, pcm0, held = serve_stock(flow, hift, spk, prompt, tokens[:n], args.rounds)
         row = summarize(chunk_ms, round_ms, n, time.perf_counter() - t0)
         row["session0_bit_exact_vs_alone"] = all(torch.equal(a, b) for a, b in zip(alone, pcm0))
         result["stock"].append(row)
+        del held
         save()
         print("stock", json.dumps(row), flush=True)
         if max(round_ms) > args.stock_max_round_ms:

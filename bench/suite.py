@@ -107,10 +107,10 @@ class CFMStream:
                    for w in self.widths]
         self.resets = {0, len(self.xs) // 2}
 
-    def run(self, step, times=None, keep=True, limit=None):
-        """One pass; ``keep`` copies every chunk's mel and state to the host for comparison
-        (after the chunk's timing), ``limit`` stops after that many chunks."""
-        outs, state = [], self.prompt
+    def run(self, step, times=None, check=None, limit=None):
+        """One pass; ``check(i, mel, state)`` sees every chunk after its timing, ``limit`` stops
+        after that many chunks."""
+        state = self.prompt
         for i, (mu, cond) in enumerate(self.xs[:limit]):
             if i in self.resets:
                 state = self.prompt
@@ -122,11 +122,23 @@ class CFMStream:
             if times is not None:
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end))
-            if keep:
-                # a host copy (never a view: stock state aliases the module's scratch buffers)
-                outs.append((mel.to("cpu", copy=True),
-                             {k: v.to("cpu", copy=True) for k, v in state.items()}))
-        return outs
+            if check is not None:
+                check(i, mel, state)
+
+
+def host_copy(mel, state):
+    """A copy in pinned host memory (never a view: stock state aliases the module's scratch
+    buffers), compared later on the device without a host-side pass over gigabytes."""
+    def pin(t):
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        return h.copy_(t)
+    return pin(mel), {k: pin(v) for k, v in state.items()}
+
+
+def matches(ref, mel, state):
+    dev = mel.device
+    return same_state((ref[0].to(dev, non_blocking=True),
+                       {k: v.to(dev, non_blocking=True) for k, v in ref[1].items()}), (mel, state))
 
 
 def log(msg):
@@ -134,42 +146,51 @@ def log(msg):
 
 
 def measure(stream, step, ref, ref_times, *, warm=True, prof=True, blocks=None):
-    """Warm-up pass, ``blocks`` timed passes over the whole stream (peak memory over them; a block
-    is bit-exact when every one of its chunks is), profiled pass. With ``ref=None`` (E) the first
-    block is the reference and the later ones check that the stock path reproduces itself."""
+    """Warm-up pass; a memory pass (peak allocated and reserved over a whole stream, nothing else
+    held); ``blocks`` timed passes over the stream, every chunk compared on the device with the
+    reference (a block is bit-exact when all its chunks are); the profiled kernel floor. With
+    ``ref=None`` (E) the first timed block is the reference, so the later ones check that the
+    stock path reproduces itself."""
     blocks = blocks or BLOCKS
     t0 = time.perf_counter()
     if warm:
-        stream.run(step, keep=False)
+        stream.run(step)
     warm_s = time.perf_counter() - t0
     log(f"  warm pass {warm_s:.1f} s")
-    torch.cuda.synchronize()
+    cleanup()
     torch.cuda.reset_peak_memory_stats()
+    stream.run(step)
+    torch.cuda.synchronize()
+    row = {"peak_bytes": torch.cuda.max_memory_allocated(),
+           "reserved_bytes": torch.cuda.memory_reserved(), "warm_pass_s": warm_s}
     times, exact_blocks, exact_chunks = [], 0, 0
     for b in range(blocks):
-        outs = stream.run(step, times)
         if ref is None:
-            ref = outs
-        same = list(map(same_state, ref, outs))
+            ref = []
+            stream.run(step, times, check=lambda i, mel, state: ref.append(host_copy(mel, state)))
+            same = [True] * len(ref)
+        else:
+            same = []
+            stream.run(step, times, check=lambda i, mel, state: same.append(matches(ref[i], mel, state)))
         exact_blocks += all(same)
         exact_chunks += sum(same)
-        del outs
-    row = {"p50_ms": statistics.median(times), "p95_ms": p95(times),
-           "peak_bytes": torch.cuda.max_memory_allocated(),
-           "reserved_bytes": torch.cuda.memory_reserved(),
-           "blocks": blocks, "chunks_per_block": len(stream.xs), "bit_exact_blocks": exact_blocks,
-           "bit_exact_chunks": exact_chunks, "warm_pass_s": warm_s, "times_ms": times}
+    row.update({"p50_ms": statistics.median(times), "p95_ms": p95(times), "blocks": blocks,
+                "chunks_per_block": len(stream.xs), "bit_exact_blocks": exact_blocks,
+                "bit_exact_chunks": exact_chunks, "times_ms": times})
     log(f"  timed {blocks} blocks: p50 {row['p50_ms']:.1f} ms, p95 {row['p95_ms']:.1f} ms; "
         f"{exact_blocks}/{blocks} blocks bit-exact")
     if ref_times is not None:
         row["ratio_vs_E_ci95"], row["ratio_vs_E_mean"] = ratio_ci(times, ref_times)
-    if prof:  # two steady chunks, nothing copied to the host
+    if prof:  # two steady chunks, nothing compared
         n = 2
-        kernel_ms, launches = profile(lambda: stream.run(step, keep=False, limit=1 + n))
-        first_ms, first = profile(lambda: stream.run(step, keep=False, limit=1))  # turn start
+        kernel_ms, launches = profile(lambda: stream.run(step, limit=1 + n))
+        first_ms, first = profile(lambda: stream.run(step, limit=1))  # turn start
         row["floor_ms"] = (kernel_ms - first_ms) / n
         row["launches_per_chunk"] = {k: (v - first.get(k, 0)) / n for k, v in launches.items()}
         log(f"  profiled: {row['floor_ms']:.1f} ms kernel time per chunk")
+    else:
+        row["floor_ms"] = None
+        row["floor_note"] = "not profiled in this run (--no-floor)"
     return ref, row
 
 
@@ -191,12 +212,15 @@ def counters_row(compiled):
 TRACES: dict = {}   # traces shared by the cadence configurations (the first one traces cold)
 
 
-def run_cadence(stream, ref, ref_times, **compile_kwargs):
+NO_FLOOR: set = set()   # configurations not profiled (--no-floor)
+
+
+def run_cadence(stream, ref, ref_times, name, **compile_kwargs):
     from cadence_fx import adapters
     adapter = adapters.get("minicpmo-token2wav").select("estimator_att_cache", "estimator_cnn_cache")
     compiled = cadence_fx.compile(stream.step, adapter, trace_cache=TRACES, **compile_kwargs)
     try:
-        _, row = measure(stream, compiled, ref, ref_times)
+        _, row = measure(stream, compiled, ref, ref_times, prof=name not in NO_FLOOR)
         row.update(counters_row(compiled))
         row["status"] = "ok"
         return row
@@ -259,7 +283,7 @@ def run_vendor(stream, ref, ref_times, rebucket):
             calls[0] += 1
             return forward_chunk(*a, **k)
         dit.forward_chunk = counted
-        _, row = measure(stream, stream.step, ref, ref_times)
+        _, row = measure(stream, stream.step, ref, ref_times, prof=("B" if rebucket else "V") not in NO_FLOOR)
         row.update(replays=counter[0], fallbacks=calls[0] - counter[0], estimator_calls=calls[0],
                    capture_s=capture_s, buckets=sorted(dit.graph_chunk), status="ok",
                    note="replays and fallbacks count estimator calls (10 per chunk)")
@@ -271,14 +295,16 @@ def run_vendor(stream, ref, ref_times, rebucket):
         cleanup()
 
 
-def run_torch_compile(stream, ref, ref_times, mode):
-    """T / TM: ``torch.compile`` of the step itself. When that does not compile or run, the same
-    mode on what it can take, the estimator's ``forward_chunk`` (10 calls per chunk), recorded
-    as such with the step's error."""
+def run_torch_compile(stream, ref, ref_times, mode, target="step"):
+    """T / TM: ``torch.compile`` of the step itself. When that does not compile or run (or with
+    ``target="estimator"``), the same mode on what it can take, the estimator's
+    ``forward_chunk`` (10 calls per chunk), recorded as such with the step's error."""
     import torch._dynamo
     dit = stream.step.cfm.estimator
+    step_error = "not attempted in this run (--t-target estimator)"
     try:
-        return _torch_compile_row(stream, ref, ref_times, mode, target="CFMStep")
+        if target == "step":
+            return _torch_compile_row(stream, ref, ref_times, mode, target="CFMStep")
     except Exception as ex:  # noqa: BLE001 - recorded, then the estimator alone
         step_error = f"{type(ex).__name__}: {str(ex).splitlines()[0][:300]}"
         log(f"  torch.compile of the step failed ({step_error}); the estimator alone")
@@ -287,7 +313,7 @@ def run_torch_compile(stream, ref, ref_times, mode):
     try:
         row = _torch_compile_row(stream, ref, ref_times, mode, target="DiT.forward_chunk",
                                  compiled=stream.step)
-        row["status"] = f"the step failed to compile ({step_error}); on the estimator: {row['status']}"
+        row["status"] = f"the step: {step_error}; on the estimator: {row['status']}"
         return row
     finally:
         dit.__dict__.pop("forward_chunk", None)
@@ -304,7 +330,7 @@ def _torch_compile_row(stream, ref, ref_times, mode, target, compiled=None):
         compiled = torch.compile(stream.step, mode=mode, dynamic=False)
     try:
         t0 = time.perf_counter()
-        stream.run(compiled, keep=False)
+        stream.run(compiled)
         compile_s = time.perf_counter() - t0
         log(f"  compiled and ran one pass in {compile_s:.1f} s")
         _, row = measure(stream, compiled, ref, ref_times, warm=False)
@@ -317,8 +343,10 @@ def _torch_compile_row(stream, ref, ref_times, mode, target, compiled=None):
                    status="ok" if row["bit_exact_blocks"] == row["blocks"] else
                    f"runs, not bit-exact ({row['bit_exact_blocks']}/{row['blocks']} chunks)")
         if row["bit_exact_blocks"] < row["blocks"]:
-            out = stream.run(compiled)
-            row["max_abs_diff_mel"] = max(float((a[0] - b[0]).abs().max()) for a, b in zip(ref, out))
+            diffs = []
+            stream.run(compiled, check=lambda i, mel, state: diffs.append(
+                float((ref[i][0].to(mel.device) - mel).abs().max())))
+            row["max_abs_diff_mel"] = max(diffs)
         return row
     finally:
         del compiled
@@ -334,19 +362,19 @@ def cfm_part(args, configs, save, device="cuda"):
     res = {"model": f"CFMStep, DiT depth {args.depth}, 10 Euler steps, CFG 0.7",
            "chunks": len(stream.xs), "widths": stream.widths, "turn_resets": sorted(stream.resets)}
     log("E")
-    ref, e = measure(stream, stream.step, None, None)
+    ref, e = measure(stream, stream.step, None, None, prof="E" not in NO_FLOOR)
     e.update(replays=0, fallbacks=0, status="ok")
     res["E"] = e
     save(res)
     jobs = {
-        "S": lambda: run_cadence(stream, ref, e["times_ms"], graphs=False),
-        "SRc": lambda: run_cadence(stream, ref, e["times_ms"], release_envelopes=True),
-        "R": lambda: run_cadence(stream, ref, e["times_ms"], state_rule=False),
-        "Rc": lambda: run_cadence(stream, ref, e["times_ms"],
+        "S": lambda: run_cadence(stream, ref, e["times_ms"], "S", graphs=False),
+        "SRc": lambda: run_cadence(stream, ref, e["times_ms"], "SRc", release_envelopes=True),
+        "R": lambda: run_cadence(stream, ref, e["times_ms"], "R", state_rule=False),
+        "Rc": lambda: run_cadence(stream, ref, e["times_ms"], "Rc",
                                   options=Options(state_rule=False, alias_state=True)),
         "V": lambda: run_vendor(stream, ref, e["times_ms"], rebucket=False),
         "B": lambda: run_vendor(stream, ref, e["times_ms"], rebucket=True),
-        "T": lambda: run_torch_compile(stream, ref, e["times_ms"], args.t_mode),
+        "T": lambda: run_torch_compile(stream, ref, e["times_ms"], args.t_mode, args.t_target),
     }
     for name in configs:
         if name in ("E", "TM"):
@@ -372,7 +400,7 @@ def run_subprocess_config(name, args):
     out = f"/tmp/suite-{name}.json"
     cmd = [sys.executable, __file__, "--out", out, "--parts", "cfm", "--configs", "E,T",
            "--depth", str(args.depth), "--chunks", str(args.chunks), "--blocks", str(args.blocks),
-           "--t-mode", "max-autotune"]
+           "--t-mode", "max-autotune", "--t-target", args.t_target]
     t0 = time.perf_counter()
     try:
         subprocess.run(cmd, timeout=args.tm_timeout, check=True, capture_output=True, text=True)
@@ -457,8 +485,12 @@ def main():
     ap.add_argument("--blocks", type=int, default=BLOCKS, help="timed passes over the stream")
     ap.add_argument("--tm-timeout", type=int, default=300)
     ap.add_argument("--t-mode", default="reduce-overhead", help="torch.compile mode of T")
+    ap.add_argument("--t-target", default="step", choices=("step", "estimator"),
+                    help="what T compiles first (the estimator is the fallback either way)")
+    ap.add_argument("--no-floor", default="", help="configurations not profiled, e.g. R,Rc,V")
     args = ap.parse_args()
     BLOCKS = args.blocks
+    NO_FLOOR.update(filter(None, args.no_floor.split(",")))
     configs = args.configs.split(",")
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "cuda": torch.version.cuda, "commit": os.environ.get("CADENCE_COMMIT", "unknown"),

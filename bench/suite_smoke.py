@@ -44,7 +44,8 @@ if sys.argv[1:] == ["sessions"]:
 import suite  # noqa: E402 - after the stubs
 suite.BLOCKS = 2
 
-args = types.SimpleNamespace(depth=1, chunks=4, t_mode="reduce-overhead", tm_timeout=5)
+args = types.SimpleNamespace(depth=1, chunks=4, t_mode="reduce-overhead", tm_timeout=5,
+                             t_target="step")
 res = {}
 out = suite.cfm_part(args, ["E", "SRc", "S", "R", "Rc"], res.update, device="cpu")
 for k, v in out.items():
