@@ -2,14 +2,15 @@
 split over its GPUs, or calls that each fit the device's time limit).
 
     python bench/suite_merge.py --out bench/results/<date>-h200.json \
-        call1-gpu0=suite.json call1-gpu1=suite.json call3-gpu0=... [--whole LABEL] [--moshi LABEL]
+        call1-gpu0=suite.json call1-gpu1=suite.json call3-gpu0=... [--status TM="not run: ..."]
 
 Every process measures its own E first, and each configuration's ``ratio_vs_E_*`` is against
 the E of its own process. Per configuration the last listed process that ran it to the end
 (bit-exact counts present) is taken; the row gets ``process`` (its label) and
 ``E_p50_ms_same_process``. The flat per-letter view keys (``p50_ms`` ... ``status``) come from
 the taken row; E is the first listed process's. Every process's rows stay under
-``cfm_by_process``. ``whole_chunk`` and ``moshi`` come from the process that has them.
+``cfm_by_process``. ``whole_chunk`` and ``moshi`` come from the process that has them. ``--status NAME=text``
+records a configuration that no process ran, and why.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def finished(row) -> bool:
     return isinstance(row, dict) and row.get("blocks") is not None and "bit_exact_blocks" in row
 
 
-def merge(labelled):
+def merge(labelled, statuses=()):
     first = labelled[0][1]
     out = {k: first.get(k) for k in ("gpu", "torch", "cuda", "deterministic_kernels")}
     out["commits"] = {label: r.get("commit") for label, r in labelled}
@@ -41,6 +42,10 @@ def merge(labelled):
             tried = [(label, r["cfm"][name]) for label, r in labelled if name in r.get("cfm", {})]
             if tried:
                 cfm[name] = {**tried[-1][1], "process": tried[-1][0]}
+    for item in statuses:
+        name, _, text = item.partition("=")
+        if name not in cfm:
+            cfm[name] = {"status": text}
     out["cfm"] = cfm
     for name, row in cfm.items():
         if isinstance(row, dict) and "status" in row:
@@ -56,6 +61,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("inputs", nargs="+", help="LABEL=path/to/suite.json, in order")
+    ap.add_argument("--status", action="append", default=[],
+                    help="NAME=text: a configuration no process ran, and why")
     args = ap.parse_args(argv)
     labelled = []
     for item in args.inputs:
@@ -65,7 +72,7 @@ def main(argv=None):
         with open(path) as f:
             labelled.append((label, json.load(f)))
     with open(args.out, "w") as f:
-        json.dump(merge(labelled), f, indent=1)
+        json.dump(merge(labelled, args.status), f, indent=1)
     return 0
 
 

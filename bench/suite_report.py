@@ -24,14 +24,21 @@ def _ms(x):
     return "–" if x is None else f"{x:.1f}"
 
 
+def _commit(result):
+    commits = result.get("commits")
+    if commits:
+        return ", ".join(f"{label} {c}" for label, c in commits.items())
+    return result.get("commit")
+
+
 def table(result) -> str:
     cfm = result.get("cfm", {})
     e = cfm.get("E", {})
-    lines = [f"GPU {result.get('gpu')}, torch {result.get('torch')}, commit {result.get('commit')}. "
-             f"{cfm.get('model', '')}, {cfm.get('chunks', '?')} chunks.", "",
+    lines = [f"GPU {result.get('gpu')}, torch {result.get('torch')}; commits: {_commit(result)}. "
+             f"{cfm.get('model', '')}, {cfm.get('chunks', '?')} chunks per block.", "",
              "| config | p50 ms | p95 ms | vs E (paired 95% CI) | peak GiB | reserved GiB | "
-             "kernel floor ms | bit-exact | replays / fallbacks | status |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "kernel floor ms | bit-exact blocks | replays / fallbacks | process | status |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in ORDER:
         r = cfm.get(name)
         if not r:
@@ -43,7 +50,13 @@ def table(result) -> str:
         rf = f"{r.get('replays', '–')} / {r.get('fallbacks', '–')}"
         lines.append(f"| {name} | {_ms(r.get('p50_ms'))} | {_ms(r.get('p95_ms'))} | {vs} | "
                      f"{_gib(r.get('peak_bytes'))} | {_gib(r.get('reserved_bytes'))} | "
-                     f"{_ms(r.get('floor_ms'))} | {exact} | {rf} | {r.get('status', '')[:80]} |")
+                     f"{_ms(r.get('floor_ms'))} | {exact} | {rf} | {r.get('process', '')} | "
+                     f"{r.get('status', '')[:90]} |")
+    if any(isinstance(r, dict) and r.get("process") for r in cfm.values()):
+        lines += ["", "Each process measured its own E first; \"vs E\" is against the E of the same "
+                      "process (E's p50 per process: " + ", ".join(
+                          f"{label} {rows['E']['p50_ms']:.1f} ms" for label, rows in
+                          result.get("cfm_by_process", {}).items() if "p50_ms" in rows.get("E", {})) + ")."]
     for part in ("whole_chunk", "moshi"):
         p = result.get(part)
         if not isinstance(p, dict):
@@ -58,7 +71,62 @@ def table(result) -> str:
                              f"/{frames} | {r.get('status', '')[:60]} |")
     if e.get("floor_ms"):
         lines += ["", f"E's kernel-time floor: {e['floor_ms']:.1f} ms per chunk."]
+    lines += ["", "**Targets**", "", "| target | measured | met |", "| --- | --- | --- |"]
+    lines += [f"| {t} | {m} | {'yes' if ok else 'no'} |" for t, m, ok in targets(result)]
     return "\n".join(lines) + "\n"
+
+
+def targets(result):
+    """``(target, measured, met)`` for every target the result can speak to."""
+    cfm, out = result.get("cfm", {}), []
+    g = lambda name, key: (cfm.get(name) or {}).get(key)   # noqa: E731
+    src, e, t, b = cfm.get("SRc") or {}, cfm.get("E") or {}, cfm.get("T") or {}, cfm.get("B") or {}
+    exact = src.get("bit_exact_blocks") == src.get("blocks") and src.get("blocks")
+    if src.get("p50_ms") and src.get("floor_ms"):
+        r = src["p50_ms"] / src["floor_ms"]
+        out.append(("SRc p50 <= 1.08x its kernel floor", f"{r:.3f}x ({src['p50_ms']:.1f} / "
+                    f"{src['floor_ms']:.1f} ms)", r <= 1.08))
+    if src.get("p50_ms") and t.get("p50_ms"):
+        out.append(("SRc p50 <= T p50, SRc bit-exact", f"{src['p50_ms']:.1f} vs {t['p50_ms']:.1f} ms "
+                    f"(T {t.get('bit_exact_blocks')}/{t.get('blocks')} blocks bit-exact)",
+                    bool(exact) and src["p50_ms"] <= t["p50_ms"]))
+    if src.get("p50_ms") and b.get("p50_ms"):
+        r = b["p50_ms"] / src["p50_ms"]
+        out.append((">= 1.3x faster than B", f"{r:.2f}x", r >= 1.3))
+    if src.get("p50_ms") and src.get("E_p50_ms_same_process", e.get("p50_ms")):
+        r = src.get("E_p50_ms_same_process", e.get("p50_ms")) / src["p50_ms"]
+        out.append((">= 2.8x faster than E (same process)", f"{r:.2f}x", r >= 2.8))
+    for key, name in (("peak_bytes", "max_memory_allocated"), ("reserved_bytes", "memory_reserved")):
+        if src.get(key) and e.get(key):
+            r = src[key] / e[key]
+            out.append((f"SRc {name} <= 0.60x E", f"{r:.3f}x", r <= 0.60))
+    cold = src.get("warm_pass_s")
+    if cold:
+        out.append(("cold compile of the CFM classes (trace + passes + capture) <= 30 s",
+                    f"{cold:.1f} s (trace {src.get('trace_s', 0):.1f} s, capture "
+                    f"{src.get('capture_s', 0):.2f} s, {src.get('classes')} classes)", cold <= 30))
+    w = result.get("whole_chunk") or {}
+    we, ws = w.get("E") or {}, w.get("SRc") or {}
+    if we.get("p50_ms") and ws.get("p50_ms"):
+        r = we["p50_ms"] / ws["p50_ms"]
+        out.append(("whole chunk >= 2.5x faster than E, bit-exact PCM",
+                    f"{r:.2f}x, {ws.get('bit_exact_blocks')}/{ws.get('blocks')} blocks", r >= 2.5
+                    and ws.get("bit_exact_blocks") == ws.get("blocks")))
+    if ws.get("cold_compile_s"):
+        out.append(("whole Token2Wav catalog cold <= 30 s, capture <= 2 s",
+                    f"{ws['cold_compile_s']:.1f} s (trace {ws.get('trace_s', 0):.1f} s, capture "
+                    f"{ws.get('capture_s', 0):.2f} s, {ws.get('classes')} classes)",
+                    ws["cold_compile_s"] <= 30 and ws.get("capture_s", 99) <= 2))
+    m = result.get("moshi") or {}
+    mc, mv, me = m.get("cadence") or {}, m.get("V") or {}, m.get("E") or {}
+    if mc.get("p50_ms") and mv.get("p50_ms") and me.get("floor_ms"):
+        ok = (mc["p50_ms"] <= mv["p50_ms"] and mc["p50_ms"] <= 1.25 * me["floor_ms"]
+              and mc.get("bit_exact_frames") == mc.get("frames"))
+        out.append(("Moshi frame <= V p50 and <= 1.25x floor, bit-exact",
+                    f"{mc['p50_ms']:.1f} ms vs V {mv['p50_ms']:.1f} ms, {mc['p50_ms'] / me['floor_ms']:.2f}x "
+                    f"floor ({me['floor_ms']:.1f} ms), {mc.get('bit_exact_frames')}/{mc.get('frames')} "
+                    f"frames (V {mv.get('bit_exact_frames')}/{mv.get('frames')})", ok))
+    return out
 
 
 def plots(result, stem):
