@@ -68,7 +68,8 @@ if [[ $STEP == sessions ]]; then
   python3 bench/sessions.py --out "$OUT/sessions.json" ${BENCH_ARGS//+/ } > "$OUT/sessions.out" 2>&1; echo "sessions rc $?"; tail -20 "$OUT/sessions.out"
 fi
 if [[ $STEP == reliability ]]; then
-  # the long property run: >= 10,000 random session schedules with CUDA graphs
+  # the long property runs: >= 10,000 random session schedules each with CUDA graphs (both
+  # properties: plain schedules; moved weights, re-allocated prompt state and failing captures)
   CADENCE_FX_SCHEDULES=${SCHEDULES:-10000} CADENCE_FX_DEVICE=cuda python3 -m pytest tests/test_sessions.py \
     -k random_schedules -p no:cacheprovider -q --hypothesis-show-statistics 2>&1 | tee "$OUT/reliability.txt" | tail -30
 fi

@@ -55,14 +55,18 @@ def _alone(model, prompt, chunks, resets):
     return outs
 
 
-def _interleaved(pool, prompts, chunks, resets, order):
+def _interleaved(pool, prompts, chunks, resets, order, before=None, fresh=False):
+    """``before(k)`` runs before the k-th chunk overall; ``fresh`` resets with a newly allocated
+    copy of the prompt state (the caller re-allocated the region: same values, new address)."""
     ids = [pool.open(p) for p in prompts]
     pos = [0] * len(ids)
     outs = [[] for _ in ids]
-    for s in order:
+    for k, s in enumerate(order):
         i = pos[s]
+        if before is not None:
+            before(k)
         if i in resets[s]:
-            pool.reset(ids[s], prompts[s])
+            pool.reset(ids[s], {n: t.clone() for n, t in prompts[s].items()} if fresh else prompts[s])
         with torch.no_grad():
             y, _ = pool.step(ids[s], chunks[s][i])
         outs[s].append(y.clone())
@@ -153,6 +157,63 @@ def test_random_schedules_stay_bit_exact(toy, shared, seed, lengths, odd):
     for s, n in enumerate(lengths):
         alone = _alone(model, prompts[s], chunks[s], resets[s])
         assert all(torch.equal(a, b) for a, b in zip(alone, outs[s]))
+
+
+@pytest.fixture(scope="module")
+def fragile(toy):
+    """A second long-lived compiled step for the property below (its classes get invalidated
+    and some captures fail, so it is kept apart from ``shared``)."""
+    return cadence_fx.compile(toy[0], PROMPT_RETAINED_ADAPTER)
+
+
+@settings(max_examples=SCHEDULES, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), lengths=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+       odd=st.booleans(), move_weight_at=st.none() | st.integers(0, 17), fresh=st.booleans(),
+       fail_captures=st.booleans())
+def test_random_schedules_survive_moved_regions_and_failed_captures(
+        toy, fragile, seed, lengths, odd, move_weight_at, fresh, fail_captures):
+    """The same random schedules, while the caller moves things under the compiled step: a weight
+    re-allocated mid-schedule (same values, new address: captured classes that bound it are
+    invalidated and re-captured), resets from a re-allocated prompt state (``fresh``), and, with
+    ``fail_captures``, every capture in the schedule raising ``torch.OutOfMemoryError`` (those
+    classes stay eager with the reason). Every session still equals itself run alone, and every
+    fallback has a recorded reason. On the CPU there are no captures or fixed addresses, so only
+    the schedules and re-allocations are exercised; the device run covers the rest
+    (``CADENCE_FX_DEVICE=cuda``)."""
+    model, prompts = toy
+    widths = SEED_WIDTHS + ((13, 3) if odd else ())
+    rng = random.Random(seed)
+    chunks = [_chunks(n, seed + s, widths) for s, n in enumerate(lengths)]
+    resets = [{i for i in range(1, n) if rng.random() < 0.25} for n in lengths]
+
+    def before(k):
+        if k == move_weight_at:
+            model.inp.weight.data = model.inp.weight.data.clone()
+
+    attempts = []
+    real_graph = torch.cuda.graph
+
+    class OutOfMemory(real_graph):
+        def __enter__(self):
+            attempts.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+
+    if fail_captures:
+        torch.cuda.graph = OutOfMemory
+    try:
+        pool = cadence_fx.SessionPool(fragile)
+        outs, _ = _interleaved(pool, prompts[:len(lengths)], chunks, resets, _order(lengths, seed),
+                               before=before, fresh=fresh)
+    finally:
+        torch.cuda.graph = real_graph
+    for s, n in enumerate(lengths):
+        alone = _alone(model, prompts[s], chunks[s], resets[s])
+        assert all(torch.equal(a, b) for a, b in zip(alone, outs[s]))
+    c = fragile.counters
+    assert c.fallbacks == sum(c.reasons.values())
+    if attempts:
+        assert any("capture failed: OutOfMemoryError" in r for r in c.reasons)
 
 
 def test_sessions_draw_from_their_own_generators():
