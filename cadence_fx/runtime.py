@@ -84,6 +84,8 @@ class CompiledStep:
         self._buffers = dict(module.named_buffers())
         devices = {p.device for p in self._params.values()}
         self._weights_device = devices.pop() if len(devices) == 1 else None  # checked when one
+        dtypes = {p.dtype for p in self._params.values() if p.is_floating_point()}
+        self._weights_dtype = dtypes.pop() if len(dtypes) == 1 else None     # likewise
         self._device_checked = [(f"region {r.name!r} state", r.input) for r in adapter.regions]
         if adapter.call_input is not None:
             self._device_checked.append(("call input", adapter.call_input))
@@ -227,15 +229,28 @@ class CompiledStep:
         return None
 
     def _check_devices(self, by_path) -> None:
-        """Region state and the call input must sit where the step's weights are."""
-        if self._weights_device is None:
+        """Region state and the call input must sit where the step's weights are. Floating region
+        state whose element width contradicts both the region's declared ``element_bytes`` and the
+        dtype every floating weight has is refused too (a float64 cache for float32 weights):
+        a carry could never hold it, and the stock step would fail deep inside."""
+        if self._weights_device is not None:
+            for what, path in self._device_checked:
+                t = by_path.get(path)
+                if isinstance(t, torch.Tensor) and t.device != self._weights_device:
+                    raise ContractError(
+                        f"{what} {path!r} is on {t.device}, but the step's weights are on "
+                        f"{self._weights_device}; move it with .to({str(self._weights_device)!r})")
+        want = self._weights_dtype
+        if want is None:
             return
-        for what, path in self._device_checked:
-            t = by_path.get(path)
-            if isinstance(t, torch.Tensor) and t.device != self._weights_device:
+        for r in self.adapter.regions:
+            t = by_path.get(r.input)
+            if (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != want
+                    and t.element_size() != r.element_bytes):
                 raise ContractError(
-                    f"{what} {path!r} is on {t.device}, but the step's weights are on "
-                    f"{self._weights_device}; move it with .to({str(self._weights_device)!r})")
+                    f"region {r.name!r} state {r.input!r} is {t.dtype} ({t.element_size()}-byte "
+                    f"elements), but the region declares element_bytes={r.element_bytes} and the "
+                    f"step's weights are {want}; cast it with .to({want})")
 
     def _check_declared_shape(self, r, t: torch.Tensor) -> None:
         """The state must have the declared shape outside the frame dim. Stock code may reserve

@@ -268,3 +268,16 @@ def test_state_or_input_on_another_device_is_a_contract_error():
     with pytest.raises(cadence_fx.ContractError, match=r"call input 'x' is on meta"):
         compiled(x.to("meta"), cache)
     assert compiled.counters.traces == 0   # refused before anything ran
+
+
+def test_state_of_another_dtype_is_a_contract_error():
+    compiled = cadence_fx.compile(PositionBuffer(), ADAPTER)
+    x, cache = _xs([4])[0], torch.zeros(1, 8, 2)
+    with pytest.raises(cadence_fx.ContractError,
+                       match=r"region 'c' state 'cache' is torch.float64 \(8-byte elements\), but the "
+                             r"region declares element_bytes=4 and the step's weights are "
+                             r"torch.float32; cast it with .to\(torch.float32\)"):
+        compiled(x, cache.double())
+    assert compiled.counters.traces == 0
+    with torch.no_grad():   # the declared width is honoured: the same call in float32 runs
+        compiled(x, cache)
