@@ -20,12 +20,13 @@ retention of ``stepaudio2/token2wav.py``; DiT depth 16, 10 Euler steps, CFG 0.7,
   buckets 30/48/96). B: the same branch re-bucketed to the live widths 50/56 (padded to 500 cached
   frames, as the vendor pads).
 
-Per configuration: per-chunk p50/p95 (CUDA events, after a warm-up pass), the paired 95%
-bootstrap interval of the per-chunk latency ratio against E, peak memory over the timed pass
-(``max_memory_allocated``, ``memory_reserved``: the whole process, model included), kernel time
-(the floor: sum of GPU kernel durations per chunk, profiler) and launches per chunk, compile and
-capture time, replays and fallbacks, and chunks bit-exact against E (``torch.equal`` on mel and
-state). ``whole``: the whole Token2Wav chunk (flow + HiFT) E vs SRc. ``moshi``: E, V, cadence
+Per configuration: per-chunk p50/p95 over ``--blocks`` timed passes of the stream (CUDA events,
+after a warm-up pass), the paired 95% bootstrap interval of the per-chunk latency ratio against E,
+peak memory over a memory pass of its own (``max_memory_allocated``, ``memory_reserved``: the whole
+process, model included), kernel time (the floor: sum of GPU kernel durations per chunk, profiler)
+and launches per chunk, compile and capture time, replays and fallbacks, and blocks bit-exact
+against E (``torch.equal`` on mel and state, every chunk, on the device). docs/benchmarks.md
+has the details. ``whole``: the whole Token2Wav chunk (flow + HiFT) E vs SRc. ``moshi``: E, V, cadence
 (``bench/moshi_frame.py``).
 """
 from __future__ import annotations
@@ -341,7 +342,7 @@ def _torch_compile_row(stream, ref, ref_times, mode, target, compiled=None):
                    cudagraph_skips=dict(counters["inductor"]).get("cudagraph_skips"),
                    recompiles=dict(counters["recompiles"]),
                    status="ok" if row["bit_exact_blocks"] == row["blocks"] else
-                   f"runs, not bit-exact ({row['bit_exact_blocks']}/{row['blocks']} chunks)")
+                   f"runs, not bit-exact ({row['bit_exact_blocks']}/{row['blocks']} blocks)")
         if row["bit_exact_blocks"] < row["blocks"]:
             diffs = []
             stream.run(compiled, check=lambda i, mel, state: diffs.append(
