@@ -1,0 +1,71 @@
+"""The tools that turn benchmark runs into the committed result: merging suite processes and
+checking the targets. Pure JSON logic, no device."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import suite_merge  # noqa: E402
+import suite_report  # noqa: E402
+
+
+def _row(p50, exact=8, floor=None, **extra):
+    return {"p50_ms": p50, "p95_ms": p50 * 1.1, "peak_bytes": 2**30, "reserved_bytes": 2**30,
+            "bit_exact_blocks": exact, "blocks": 8, "replays": 0, "fallbacks": 0,
+            "floor_ms": floor, "status": "ok", **extra}
+
+
+def _run(commit, **rows):
+    return {"gpu": "H200", "torch": "2.11", "commit": commit,
+            "cfm": {"model": "CFMStep", "chunks": 12, **rows}}
+
+
+def test_merge_takes_each_configuration_from_the_last_process_that_finished_it():
+    first = _run("a", E=_row(500.0, floor=52.0), SRc=_row(61.0), B=_row(79.0))
+    second = _run("b", E=_row(400.0), SRc=_row(59.0, ratio_vs_E_mean=0.15),
+                  R={"status": "failed: killed"})
+    merged = suite_merge.merge([("p1", first), ("p2", second)], ["TM=not run: no device time"])
+    cfm = merged["cfm"]
+    assert cfm["E"]["process"] == "p1" and cfm["E"]["p50_ms"] == 500.0   # E: the first process
+    assert cfm["SRc"]["process"] == "p2" and cfm["SRc"]["E_p50_ms_same_process"] == 400.0
+    assert cfm["B"]["process"] == "p1"
+    assert cfm["R"]["status"] == "failed: killed"          # never finished: the attempt says why
+    assert merged["TM"]["status"] == "not run: no device time" and merged["TM"]["p50_ms"] is None
+    assert set(merged["SRc"]) == set(suite_merge.ROW_KEYS)   # the flat view has exactly the keys
+    assert merged["commits"] == {"p1": "a", "p2": "b"}
+    assert set(merged["cfm_by_process"]) == {"p1", "p2"}
+
+
+def test_merge_cli_rejects_an_input_without_a_label(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(_run("a", E=_row(1.0))))
+    with pytest.raises(SystemExit):
+        suite_merge.main(["--out", str(tmp_path / "m.json"), str(path)])
+
+
+def test_targets_say_met_and_missed_from_the_numbers():
+    result = {"cfm": {
+        "E": _row(500.0, floor=52.0, peak_bytes=10, reserved_bytes=10),
+        "SRc": _row(60.0, floor=52.0, peak_bytes=4, reserved_bytes=7, E_p50_ms_same_process=500.0,
+                    warm_pass_s=90.0, trace_s=60.0, capture_s=4.0, classes=4),
+        "T": _row(50.0, exact=0), "B": _row(79.0)}}
+    got = {t: ok for t, _, ok in suite_report.targets(result)}
+    assert got["SRc p50 <= 1.08x its kernel floor"] is False          # 60 / 52 = 1.15
+    assert got["SRc p50 <= T p50, SRc bit-exact"] is False
+    assert got[">= 1.3x faster than B"] is True                       # 79 / 60 = 1.32
+    assert got[">= 2.8x faster than E (same process)"] is True
+    assert got["SRc max_memory_allocated <= 0.60x E"] is True          # 0.4
+    assert got["SRc memory_reserved <= 0.60x E"] is False              # 0.7
+    assert got["cold compile of the CFM classes (trace + passes + capture) <= 30 s"] is False
+    result["cfm"]["SRc"]["bit_exact_blocks"] = 7                       # not bit-exact: never met
+    result["cfm"]["T"]["p50_ms"] = 70.0
+    got = {t: ok for t, _, ok in suite_report.targets(result)}
+    assert got["SRc p50 <= T p50, SRc bit-exact"] is False
+
+
+def test_report_writes_the_table_with_every_configuration(tmp_path):
+    merged = suite_merge.merge([("p1", _run("a", E=_row(500.0, floor=52.0), SRc=_row(60.0)))])
+    table = suite_report.table(merged)
+    assert "| SRc | 60.0 |" in table and "| E | 500.0 |" in table and "**Targets**" in table
