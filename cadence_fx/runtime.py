@@ -122,7 +122,7 @@ class CompiledStep:
         """Admission, absorption into the carries, and the class entry (traced on first sight)."""
         leaves, spec = leaves_with_paths(bind_arguments(self._arguments, args, kwargs))
         by_path = dict(leaves)
-        self._check_devices(by_path)
+        self._check_device_and_dtype(by_path)
         reason = self._admission(by_path)
         if reason is not None:
             return None, by_path, reason
@@ -228,7 +228,7 @@ class CompiledStep:
                         f"{list(self.adapter.call_widths())} nor admitted ({bound})")
         return None
 
-    def _check_devices(self, by_path) -> None:
+    def _check_device_and_dtype(self, by_path) -> None:
         """Region state and the call input must sit where the step's weights are. Floating region
         state whose element width contradicts both the region's declared ``element_bytes`` and the
         dtype every floating weight has is refused too (a float64 cache for float32 weights):
