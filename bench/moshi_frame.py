@@ -233,12 +233,7 @@ def main():
 
     # cadence_fx
     step = M.MoshiStep(mimi, lm_gen)
-    from cadence_fx import adapters
-    adapter = adapters.get("moshi")
-    if args.small:
-        c = M.SMALL_LM
-        adapter = adapter.with_clocks(lm_layers=c["num_layers"], lm_heads=c["num_heads"],
-                                      lm_head_dim=c["dim"] // c["num_heads"])
+    adapter = M.moshi_adapter(M.SMALL_LM if args.small else None)
     compiled = cadence_fx.compile(step, adapter)
     t1 = time.perf_counter()
     cadence_streams(step, compiled, warm, reset_at)   # traces and captures every class

@@ -164,35 +164,38 @@ def main():
     serve_stock(flow, hift, spk, prompt, tokens[:1], args.rounds)      # warm-up
     _, _, alone, _ = serve_stock(flow, hift, spk, prompt, tokens[:1], args.rounds)   # session 0 alone
     base = torch.cuda.memory_allocated()
-    for n in ns:
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        chunk_ms, round_ms, pcm0, held = serve_stock(flow, hift, spk, prompt, tokens[:n], args.rounds)
-        row = summarize(chunk_ms, round_ms, n, time.perf_counter() - t0)
-        row["session0_bit_exact_vs_alone"] = all(torch.equal(a, b) for a, b in zip(alone, pcm0))
-        result["stock"].append(row)
-        del held
-        save()
-        print("stock", json.dumps(row), flush=True)
-        if max(round_ms) > args.stock_max_round_ms:
-            break
+
+    def grow(path, serve_n, counts=None, stop_ms=float("inf")):
+        """One row per N; what ``serve_n`` returns last (state or pools) stays held while the
+        row reads memory."""
+        for n in ns:
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            chunk_ms, round_ms, pcm0, held = serve_n(tokens[:n])
+            row = summarize(chunk_ms, round_ms, n, time.perf_counter() - t0)
+            row["session0_bit_exact_vs_alone"] = all(torch.equal(a, b) for a, b in zip(alone, pcm0))
+            row.update(counts(held) if counts else {})
+            result[path].append(row)
+            del held
+            save()
+            print(path, json.dumps(row), flush=True)
+            if max(round_ms) > stop_ms:
+                break
+
+    grow("stock", lambda toks: serve_stock(flow, hift, spk, prompt, toks, args.rounds),
+         stop_ms=args.stock_max_round_ms)
     cflow = cadence_fx.compile(flow, "minicpmo-token2wav-flow", release_envelopes=True)
     chift = cadence_fx.compile(hift, "minicpmo-token2wav-hift")
+
+    def serve_cadence(toks):
+        return serve_pools(cflow, chift, spk, prompt, toks, args.rounds)
+
     t0 = time.perf_counter()
-    serve_pools(cflow, chift, spk, prompt, tokens[:1], args.rounds)      # compiles the catalog
+    serve_cadence(tokens[:1])      # compiles the catalog
     result["cadence_compile_s"] = time.perf_counter() - t0
-    for n in ns:
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        chunk_ms, round_ms, pcm0, pools = serve_pools(cflow, chift, spk, prompt, tokens[:n], args.rounds)
-        row = summarize(chunk_ms, round_ms, n, time.perf_counter() - t0)
-        row["session0_bit_exact_vs_alone"] = all(torch.equal(a, b) for a, b in zip(alone, pcm0))
-        row["swaps"] = pools[0].swaps + pools[1].swaps
-        row["fallbacks"] = cflow.counters.fallbacks + chift.counters.fallbacks
-        result["cadence"].append(row)
-        del pools
-        save()
-        print("cadence", json.dumps(row), flush=True)
+    grow("cadence", serve_cadence, counts=lambda pools: {
+        "swaps": pools[0].swaps + pools[1].swaps,
+        "fallbacks": cflow.counters.fallbacks + chift.counters.fallbacks})
     for path in ("stock", "cadence"):
         rows = result[path]
         ok = [r["sessions"] for r in rows if r["realtime"]]

@@ -33,7 +33,7 @@ if sys.argv[1:] == ["sessions"]:
     import sessions  # noqa: E402 - after the stubs
     out = os.path.join(tempfile.mkdtemp(), "sessions.json")
     sys.argv = ["sessions.py", "--out", out, "--device", "cpu", "--depth", "1", "--ns", "1,2",
-                "--rounds", "4"]
+                "--rounds", "4", "--stock-max-round-ms", "1e9"]   # CPU rounds are slow: keep N = 2
     sessions.main()
     res = json.load(open(out))
     rows = res["stock"] + res["cadence"]

@@ -207,12 +207,7 @@ def _moshi(dev, chunks) -> _Stream:
 
     def prepare():  # the step keeps the modules streaming: built after the stock runs
         step = M.MoshiStep(mimi, lm_gen)
-        from cadence_fx import adapters
-        adapter = adapters.get("moshi")
-        if small:
-            c = M.SMALL_LM
-            adapter = adapter.with_clocks(lm_layers=c["num_layers"], lm_heads=c["num_heads"],
-                                          lm_head_dim=c["dim"] // c["num_heads"])
+        adapter = M.moshi_adapter(M.SMALL_LM if small else None)
         holder["step"], holder["compiled"] = step, cadence_fx.compile(step, adapter)
         stream.steps["frame"] = holder["compiled"]
 

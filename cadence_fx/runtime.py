@@ -86,9 +86,11 @@ class CompiledStep:
         self._weights_device = devices.pop() if len(devices) == 1 else None  # checked when one
         dtypes = {p.dtype for p in self._params.values() if p.is_floating_point()}
         self._weights_dtype = dtypes.pop() if len(dtypes) == 1 else None     # likewise
-        self._device_checked = [(f"region {r.name!r} state", r.input) for r in adapter.regions]
+        # (what, path, declared element width or None): checked on every call
+        self._placement_checked = [(f"region {r.name!r} state", r.input, r.element_bytes)
+                                   for r in adapter.regions]
         if adapter.call_input is not None:
-            self._device_checked.append(("call input", adapter.call_input))
+            self._placement_checked.append(("call input", adapter.call_input, None))
         self._extents = {r.name: set(self.catalog.region(r.name).extents) for r in adapter.regions}
         self._classes_ok = {e for e, _ in self.catalog.classes}
         self._pipeline = build_pipeline(options)
@@ -233,24 +235,21 @@ class CompiledStep:
         state whose element width contradicts both the region's declared ``element_bytes`` and the
         dtype every floating weight has is refused too (a float64 cache for float32 weights):
         a carry could never hold it, and the stock step would fail deep inside."""
-        if self._weights_device is not None:
-            for what, path in self._device_checked:
-                t = by_path.get(path)
-                if isinstance(t, torch.Tensor) and t.device != self._weights_device:
-                    raise ContractError(
-                        f"{what} {path!r} is on {t.device}, but the step's weights are on "
-                        f"{self._weights_device}; move it with .to({str(self._weights_device)!r})")
-        want = self._weights_dtype
-        if want is None:
-            return
-        for r in self.adapter.regions:
-            t = by_path.get(r.input)
-            if (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != want
-                    and t.element_size() != r.element_bytes):
+        device, dtype = self._weights_device, self._weights_dtype
+        for what, path, width in self._placement_checked:
+            t = by_path.get(path)
+            if not isinstance(t, torch.Tensor):
+                continue
+            if device is not None and t.device != device:
                 raise ContractError(
-                    f"region {r.name!r} state {r.input!r} is {t.dtype} ({t.element_size()}-byte "
-                    f"elements), but the region declares element_bytes={r.element_bytes} and the "
-                    f"step's weights are {want}; cast it with .to({want})")
+                    f"{what} {path!r} is on {t.device}, but the step's weights are on "
+                    f"{device}; move it with .to({str(device)!r})")
+            if (width is not None and dtype is not None and t.dtype != dtype
+                    and t.is_floating_point() and t.element_size() != width):
+                raise ContractError(
+                    f"{what} {path!r} is {t.dtype} ({t.element_size()}-byte elements), but the "
+                    f"region declares element_bytes={width} and the step's weights are {dtype}; "
+                    f"cast it with .to({dtype})")
 
     def _check_declared_shape(self, r, t: torch.Tensor) -> None:
         """The state must have the declared shape outside the frame dim. Stock code may reserve

@@ -270,10 +270,7 @@ def test_moshi_frame_replays_bit_exact_against_the_stock_loop():
     torch.cuda.manual_seed(5)
     stock = M.stock_stream(mimi, lm_gen, frames, reset_at=5)
     step = M.MoshiStep(mimi, lm_gen)
-    c = M.SMALL_LM
-    from cadence_fx import adapters
-    adapter = adapters.get("moshi").with_clocks(lm_layers=c["num_layers"], lm_heads=c["num_heads"],
-                                                lm_head_dim=c["dim"] // c["num_heads"])
+    adapter = M.moshi_adapter(M.SMALL_LM)
     compiled = cadence_fx.compile(step, adapter)
     torch.manual_seed(5)
     torch.cuda.manual_seed(5)

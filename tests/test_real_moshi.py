@@ -64,9 +64,7 @@ def test_moshi_frame_bit_exact_with_sampling_and_a_turn_reset():
     stock = M.stock_stream(mimi, lm_gen, frames, reset_at=4)
     assert stock[0] == (None, None) and stock[1][0] is not None   # the delays fill, then audio
     step = M.MoshiStep(mimi, lm_gen)
-    c = M.SMALL_LM
-    adapter = adapters.get("moshi").with_clocks(lm_layers=c["num_layers"], lm_heads=c["num_heads"],
-                                                lm_head_dim=c["dim"] // c["num_heads"])
+    adapter = M.moshi_adapter(M.SMALL_LM)
     eager, _ = _run(step, step.initial_state, frames, reset_at=4)
     assert all(_same(s[0], e[0]) and _same(s[1], e[1]) for s, e in zip(stock, eager))
     compiled = cadence_fx.compile(step, adapter)

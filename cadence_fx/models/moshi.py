@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 __all__ = ["import_stock", "build_mimi", "build_lm_gen", "MimiStep", "MoshiStep", "SMALL_LM",
-           "stock_stream", "randomize"]
+           "moshi_adapter", "stock_stream", "randomize"]
 
 # A CPU-sized LM (same architecture and code path as the 7B one) for tests in CI.
 SMALL_LM = dict(dim=128, num_heads=4, num_layers=2, hidden_scale=4.125, text_card=512,
@@ -126,6 +126,17 @@ def build_lm_gen(*, seed: int = 0, device="cpu", dtype=torch.bfloat16, overrides
                 r = 1 + r * 0.02
             p.copy_(r.to(p.dtype))
     return stock.lm.LMGen(lm.eval(), **gen_kwargs)
+
+
+def moshi_adapter(overrides=None):
+    """The ``moshi`` adapter with its LM clocks matched to ``build_lm_gen(overrides=...)``
+    (``SMALL_LM``); the 7B clocks without overrides."""
+    from cadence_fx import adapters
+    adapter = adapters.get("moshi")
+    if not overrides:
+        return adapter
+    return adapter.with_clocks(lm_layers=overrides["num_layers"], lm_heads=overrides["num_heads"],
+                               lm_head_dim=overrides["dim"] // overrides["num_heads"])
 
 
 # -- explicit streaming state --------------------------------------------------------------------
