@@ -68,8 +68,16 @@ if [[ $STEP == sessions ]]; then
   python3 bench/sessions.py --out "$OUT/sessions.json" ${BENCH_ARGS//+/ } > "$OUT/sessions.out" 2>&1; echo "sessions rc $?"; tail -20 "$OUT/sessions.out"
 fi
 if [[ $STEP == reliability ]]; then
-  # the long property runs: >= 10,000 random session schedules each with CUDA graphs (both
-  # properties: plain schedules; moved weights, re-allocated prompt state and failing captures)
-  CADENCE_FX_SCHEDULES=${SCHEDULES:-10000} CADENCE_FX_DEVICE=cuda python3 -m pytest tests/test_sessions.py \
-    -k random_schedules -p no:cacheprovider -q --hypothesis-show-statistics 2>&1 | tee "$OUT/reliability.txt" | tail -30
+  # the long property runs with CUDA graphs: SCHEDULES random session schedules per selected property
+  # (K picks them: stay_bit_exact = plain schedules; survive = moved weights, re-allocated prompt
+  # state and failing captures), in runs of RUN_SCHEDULES with distinct hypothesis seeds from SEED0,
+  # so a job that runs out of time keeps the runs it finished
+  total=${SCHEDULES:-10000}; per=${RUN_SCHEDULES:-1000}; seed=${SEED0:-0}
+  for ((n = 0; n < total; n += per)); do
+    echo "== -k ${K:-random_schedules} --hypothesis-seed=$seed, $per schedules" >> "$OUT/reliability.txt"
+    CADENCE_FX_SCHEDULES=$per CADENCE_FX_DEVICE=cuda python3 -m pytest tests/test_sessions.py \
+      -k "${K:-random_schedules}" --hypothesis-seed=$seed -p no:cacheprovider -q --hypothesis-show-statistics \
+      2>&1 | tee -a "$OUT/reliability.txt" | tail -12
+    seed=$((seed + 1))
+  done
 fi
