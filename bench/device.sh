@@ -31,7 +31,7 @@ if [[ $STEP == par ]]; then
     (export CUDA_VISIBLE_DEVICES=$i OUT=$W/g$i; end=$((SECONDS + ${PAR_LIMIT:-540}))
      for j in $job; do   # NAME=value sets the environment of the steps after it
        if [[ $j == *=* ]]; then export "$j"
-       elif ((SECONDS < end)); then timeout $((end - SECONDS)) bash "$0" "$j" >> $W/g$i/$j.txt 2>&1; fi
+       elif ((SECONDS < end)); then timeout $((end - SECONDS)) bash "$0" "$j" >> $W/g$i/step-$j.txt 2>&1; fi
      done) &
     i=$((i + 1))
   done

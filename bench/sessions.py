@@ -5,14 +5,15 @@
 A session is one Token2Wav stream (flow: conformer encoder + CFM with retention; then HiFT),
 its own prompt state, a turn reset in the middle. N sessions are served round-robin, one chunk
 each per round, in arrival order, on one GPU. A 28-token chunk is 50 mel frames = 1 s of audio,
-so a session is real-time when the time between its consecutive chunks (a round) stays under
-1 s. Stock: every session keeps its own cache dicts (cloned after each chunk: the stock step
+so a session is real-time when the time between its consecutive chunks (a round) stays well
+inside 1 s: every round, the slowest included, within the budget (``--budget-ms``, default 900 ms,
+which keeps a tenth of the second for the rest of the audio path). Stock: every session keeps its own cache dicts (cloned after each chunk: the stock step
 hands out views of shared scratch buffers). cadence_fx: one compiled flow and one compiled HiFT,
 one ``SessionPool`` each, every session owning only its snapshots.
 
 Per N and path: per-chunk p50/p95 over all sessions, round p50/p95, aggregate chunks per second,
 memory allocated with N sessions resident (after the rounds) and its growth per added session,
-and whether every round stayed under 1 s. Deterministic kernels are pinned on both sides (stock
+the slowest round, whether it stayed within the budget (``realtime``) and within 1 s (``within_1s``). Deterministic kernels are pinned on both sides (stock
 HiFT is not reproducible without them); every session samples from its own generator (seeded
 1000 + its index, swapped in around its chunks on both paths), and session 0's PCM at every N
 is compared bit for bit with session 0 run alone through the stock path.
@@ -32,7 +33,8 @@ import cadence_fx
 from cadence_fx.models.token2wav import (FlowStep, HiFTStep, build_flow, build_hift,
                                          empty_hift_cache, prime_flow)
 
-REALTIME_MS = 1000.0   # 50 mel frames at 50 Hz
+DEADLINE_MS = 1000.0   # 50 mel frames at 50 Hz
+BUDGET_MS = 900.0      # "well inside" the deadline (--budget-ms)
 DEVICE = "cuda"        # --device cpu: a harness check only (bench/suite_smoke.py sessions)
 
 
@@ -130,23 +132,29 @@ def summarize(chunk_ms, round_ms, n, wall_s):
             "session_p95_ms": [p95(x) for x in per_session],
             "round_p50_ms": statistics.median(round_ms), "round_p95_ms": p95(round_ms),
             "chunks_per_s": len(chunk_ms) / (sum(round_ms) / 1e3),
-            "realtime": max(round_ms) < REALTIME_MS,
+            "round_max_ms": max(round_ms), "realtime": max(round_ms) <= BUDGET_MS,
+            "within_1s": max(round_ms) < DEADLINE_MS,
             "memory_allocated": torch.cuda.memory_allocated(),
             "max_memory_allocated": torch.cuda.max_memory_allocated(), "wall_s": wall_s}
 
 
 def main():
+    global DEVICE, BUDGET_MS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--ns", default="1,2,3,4,6,8,10,12,14,16,20,24,32")
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--depth", type=int, default=16)
     ap.add_argument("--stock-max-round-ms", type=float, default=3000.0,
                     help="stop growing N on the stock path once a round takes this long")
+    ap.add_argument("--budget-ms", type=float, default=BUDGET_MS,
+                    help="a session count is real-time when every round finishes within this")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    global DEVICE
-    DEVICE = args.device
+    if not 0 < args.budget_ms <= DEADLINE_MS:
+        ap.error(f"--budget-ms {args.budget_ms} must lie in (0, {DEADLINE_MS:.0f}]: a chunk is "
+                 f"{DEADLINE_MS:.0f} ms of audio")
+    DEVICE, BUDGET_MS = args.device, args.budget_ms
     cadence_fx.pin_deterministic_kernels()
     ns = [int(n) for n in args.ns.split(",")]
     flow = FlowStep(build_flow(args.depth, device=DEVICE))
@@ -155,7 +163,8 @@ def main():
     tokens = chunk_inputs(max(ns), args.rounds)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "commit": os.environ.get("CADENCE_COMMIT", "unknown"), "depth": args.depth,
-              "rounds": args.rounds, "deterministic_kernels": True, "stock": [], "cadence": []}
+              "rounds": args.rounds, "deterministic_kernels": True,
+              "realtime_budget_ms": BUDGET_MS, "deadline_ms": DEADLINE_MS, "stock": [], "cadence": []}
 
     def save():
         with open(args.out, "w") as f:
@@ -200,6 +209,8 @@ def main():
         rows = result[path]
         ok = [r["sessions"] for r in rows if r["realtime"]]
         result[f"{path}_realtime_sessions"] = max(ok) if ok else 0
+        inside = [r["sessions"] for r in rows if r["within_1s"]]
+        result[f"{path}_sessions_within_1s"] = max(inside) if inside else 0
         if len(rows) > 1:
             a, b = rows[0], rows[-1]
             result[f"{path}_bytes_per_added_session"] = (

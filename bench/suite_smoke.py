@@ -38,6 +38,9 @@ if sys.argv[1:] == ["sessions"]:
     res = json.load(open(out))
     rows = res["stock"] + res["cadence"]
     bad = [(r["sessions"], r.get("fallbacks")) for r in rows if not r["session0_bit_exact_vs_alone"]]
+    bad += [f"no {k}" for k in ("stock_realtime_sessions", "cadence_realtime_sessions",
+                                "realtime_budget_ms") if k not in res]
+    bad += [f"no round_max_ms at N = {r['sessions']}" for r in rows if "round_max_ms" not in r]
     print("harness ok" if len(rows) == 4 and not bad else f"harness problems: {bad}, {len(rows)} rows")
     sys.exit(1 if bad or len(rows) != 4 else 0)
 
