@@ -3,10 +3,11 @@ which sessions ran between its chunks (bit-exact against the session run alone),
 interleaving, turn resets and calls outside the catalog; bad ids get a clear error."""
 import os
 import random
+import re
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import cadence_fx
@@ -72,6 +73,18 @@ def _interleaved(pool, prompts, chunks, resets, order, before=None, fresh=False)
         outs[s].append(y.clone())
         pos[s] += 1
     return outs, ids
+
+
+def _events(start, counters):
+    """What a schedule exercised, for ``--hypothesis-show-statistics``: replays, classes
+    invalidated by a moved address, eager fallbacks by reason."""
+    after = counters.as_dict()
+    for name in ("replays", "invalidations"):
+        if after[name] > start[name]:
+            event(f"{name} > 0")
+    for reason, n in after["reasons"].items():
+        if n > start["reasons"].get(reason, 0):
+            event("fallback: " + re.sub(r"\d+", "N", reason.split(":")[0])[:60])
 
 
 def _order(lengths, seed):
@@ -153,10 +166,12 @@ def test_random_schedules_stay_bit_exact(toy, shared, seed, lengths, odd):
     chunks = [_chunks(n, seed + s, widths) for s, n in enumerate(lengths)]
     resets = [{i for i in range(1, n) if rng.random() < 0.25} for n in lengths]
     pool = cadence_fx.SessionPool(shared)
+    counted = shared.counters.as_dict()
     outs, _ = _interleaved(pool, prompts[:len(lengths)], chunks, resets, _order(lengths, seed))
     for s, n in enumerate(lengths):
         alone = _alone(model, prompts[s], chunks[s], resets[s])
         assert all(torch.equal(a, b) for a, b in zip(alone, outs[s]))
+    _events(counted, shared.counters)
 
 
 class _Fragile:
@@ -206,6 +221,7 @@ def test_random_schedules_survive_moved_regions_and_failed_captures(
 
     attempts = []
     real_graph = torch.cuda.graph
+    counted = fragile.step.counters.as_dict()
 
     class OutOfMemory(real_graph):
         def __enter__(self):
@@ -225,8 +241,10 @@ def test_random_schedules_survive_moved_regions_and_failed_captures(
         assert all(torch.equal(a, b) for a, b in zip(alone, outs[s]))
     c = fragile.step.counters
     assert c.fallbacks == sum(c.reasons.values())
+    _events(counted, c)
     if attempts:
         assert any("capture failed: OutOfMemoryError" in r for r in c.reasons)
+        event("captures failed (injected OutOfMemoryError), those classes stayed eager")
         fragile.renew()
 
 
