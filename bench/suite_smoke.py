@@ -32,8 +32,10 @@ if sys.argv[1:] == ["sessions"]:
     import json, os, tempfile
     import sessions  # noqa: E402 - after the stubs
     out = os.path.join(tempfile.mkdtemp(), "sessions.json")
+    # CPU rounds are slow: N = 1, 2; stock passes --stock-max-round-ms at once, so its N = 2 row
+    # takes the past-the-deadline path (--past-rounds rounds)
     sys.argv = ["sessions.py", "--out", out, "--device", "cpu", "--depth", "1", "--ns", "1,2",
-                "--rounds", "4", "--stock-max-round-ms", "1e9"]   # CPU rounds are slow: keep N = 2
+                "--rounds", "4", "--stock-max-round-ms", "0", "--past-ns", "2", "--past-rounds", "2"]
     sessions.main()
     res = json.load(open(out))
     rows = res["stock"] + res["cadence"]
@@ -41,6 +43,8 @@ if sys.argv[1:] == ["sessions"]:
     bad += [f"no {k}" for k in ("stock_realtime_sessions", "cadence_realtime_sessions",
                                 "realtime_budget_ms") if k not in res]
     bad += [f"no round_max_ms at N = {r['sessions']}" for r in rows if "round_max_ms" not in r]
+    if [r["rounds"] for r in rows] != [4, 2, 4, 4]:
+        bad.append(f"rounds per row {[r['rounds'] for r in rows]}, expected [4, 2, 4, 4]")
     print("harness ok" if len(rows) == 4 and not bad else f"harness problems: {bad}, {len(rows)} rows")
     sys.exit(1 if bad or len(rows) != 4 else 0)
 
