@@ -66,6 +66,8 @@ TOKEN2WAV = Adapter(
     # arange) and SineGen's harmonic multipliers (a literal) are found without a declaration.
     constants=("stft_window",),
     effects=Effects(device_rng=True),
+    # the DiT runs once per Euler step with the same shapes: traced once, copied 9 times
+    repeated=("estimator.forward_chunk",),
     description="MiniCPM-o 4.5 Token2Wav: CFM flow decoder (DiT, 10 Euler steps) + HiFT vocoder",
 )
 
@@ -73,7 +75,7 @@ TOKEN2WAV = Adapter(
 # ``hift_cache`` and returned as the second result; the call width is the mel chunk's.
 TOKEN2WAV_HIFT = dataclasses.replace(
     TOKEN2WAV, name="minicpmo-token2wav-hift", regions=(HIFT_MEL, HIFT_SOURCE, HIFT_SPEECH),
-    call_input="chunk_mel", call_dim=2,
+    call_input="chunk_mel", call_dim=2, repeated=(),
     description="MiniCPM-o 4.5 Token2Wav vocoder (HiFT) with its mel/source/speech caches")
 
 # The flow step (``cadence_fx.models.token2wav.FlowStep``: encoder + CFM + retention): three

@@ -109,6 +109,10 @@ class Adapter:
     ``width_limit`` is the largest catalog width K a region may have (Criterion 3.5).
     ``recapture_on_drift``: after a fixed-address input moves, capture the class again at the new
     addresses on its next call (else it stays eager).
+    ``repeated`` names methods the step calls many times with the same argument shapes, as
+    ``"<submodule>.<method>"`` with the submodule named by the last component of its path (e.g.
+    ``"estimator.forward_chunk"``, once per Euler step): each signature is traced once and the
+    later calls' nodes are copied, which the tracer checks is exact (``cadence_fx.splice``).
     """
     name: str
     clocks: Mapping[str, int]
@@ -121,6 +125,7 @@ class Adapter:
     effects: Effects = Effects()
     width_limit: int = 64
     recapture_on_drift: bool = True
+    repeated: Tuple[str, ...] = ()
     description: str = ""
 
     def __post_init__(self):
@@ -128,6 +133,7 @@ class Adapter:
         object.__setattr__(self, "regions", tuple(self.regions))
         object.__setattr__(self, "call_frames", tuple(self.call_frames))
         object.__setattr__(self, "constants", tuple(self.constants))
+        object.__setattr__(self, "repeated", tuple(self.repeated))
 
     # -- derived numbers -------------------------------------------------------------------
     def clock(self, name: str, *, who: str = "adapter") -> int:
@@ -195,6 +201,11 @@ class Adapter:
                                 "whose `call_dim` carries the call width")
         if self.width_limit < 1:
             raise ContractError(f"{where}: width_limit {self.width_limit} must be >= 1")
+        for r in self.repeated:
+            owner, _, method = r.rpartition(".")
+            if not owner or not method.isidentifier() or not owner.isidentifier():
+                raise ContractError(f"{where}: repeated call {r!r} is not '<submodule>.<method>' "
+                                    "(e.g. 'estimator.forward_chunk'); fix `repeated`")
         return self
 
     def _validate_region(self, r: Region) -> None:

@@ -35,6 +35,9 @@ class Options:
     # address instead of staging them. Stock code hands a new tensor per retention, so the guard
     # sees the address move and the piece is captured again: this is what the carry prevents.
     alias_state: bool = False
+    # Trace each signature of an adapter's `repeated` methods once and copy the later calls
+    # (node for node what a full trace gives; off: every call is traced).
+    repeated: bool = True
 
 
 def build_pipeline(options: Options) -> List[Tuple[str, Callable]]:

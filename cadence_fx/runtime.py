@@ -110,6 +110,7 @@ class CompiledStep:
         # tensor attributes the adapter declares constant (e.g. HiFT's ``stft_window``)
         self._constant_ids = {id(t) for name, t in module_state_tensors(module).items()
                               if name.rsplit(".", 1)[-1] in adapter.constants}
+        self._repeated = _repeated_targets(adapter, module) if options.repeated else []
 
     # -- the call ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -374,7 +375,8 @@ class CompiledStep:
         else:
             rng = RngSnapshot()  # tracing runs the step's Python code: keep its draws invisible
             try:
-                traced = trace_step(self.module, self._fn, named, tracing_mode=self.tracing_mode)
+                traced = trace_step(self.module, self._fn, named, tracing_mode=self.tracing_mode,
+                                    repeated=self._repeated)
             except TraceError as e:
                 if self.strict:
                     raise
@@ -384,6 +386,9 @@ class CompiledStep:
             finally:
                 rng.restore()
             self.counters.traces += 1
+            self.counters.copied_calls += traced.copied_calls
+            for method, why in traced.refused.items():
+                log.info("class %s: %s traced at every call: %s", key[0], method, why)
             if self.trace_cache is not None:
                 self.trace_cache[cache_key] = _copy_traced(traced)
         reason = self._probe_effects(traced, named)
@@ -523,6 +528,24 @@ class CompiledStep:
     def __repr__(self):
         return (f"CompiledStep(adapter={self.adapter.name!r}, classes={len(self.classes)}, "
                 f"counters={self.counters.as_dict()})")
+
+
+def _repeated_targets(adapter: Adapter, module: torch.nn.Module) -> List[Tuple[torch.nn.Module, str]]:
+    """The ``(submodule, method)`` pairs an adapter's ``repeated`` declarations name."""
+    targets = []
+    for decl in adapter.repeated:
+        owner, _, method = decl.rpartition(".")
+        found = [sub for path, sub in module.named_modules() if path.rsplit(".", 1)[-1] == owner]
+        if not found:
+            raise ContractError(f"adapter {adapter.name!r}: repeated call {decl!r} names no "
+                                f"submodule called {owner!r} in {type(module).__name__}; fix "
+                                f"`repeated` or leave it out")
+        for sub in found:
+            if not callable(getattr(sub, method, None)):
+                raise ContractError(f"adapter {adapter.name!r}: repeated call {decl!r}: "
+                                    f"{type(sub).__name__} has no method {method!r}; fix `repeated`")
+            targets.append((sub, method))
+    return targets
 
 
 def _copy_traced(traced: TracedStep) -> TracedStep:

@@ -28,6 +28,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .effects import TensorSnapshot
 from .errors import TraceError
+from .splice import RepeatedCalls
 
 __all__ = ["InputSpec", "TracedStep", "bind_arguments", "leaves_with_paths", "trace_step",
            "tensor_signature", "global_signature"]
@@ -50,6 +51,8 @@ class TracedStep:
     out_constants: Dict[int, Any]            # result leaves that are not tensors, by leaf index
     out_tensor_index: List[int]              # leaf index of each graph output
     seconds: float
+    copied_calls: int = 0                    # repeated calls copied instead of traced
+    refused: Dict[str, str] = dataclasses.field(default_factory=dict)  # method -> why traced in full
 
 
 def _key_str(k) -> str:
@@ -142,8 +145,11 @@ class _StepModule(torch.nn.Module):
 
 
 def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any], *,
-               tracing_mode: str = "fake") -> TracedStep:
-    """Trace ``fn(**named_args)`` with ``module``'s parameters and buffers lifted to placeholders."""
+               tracing_mode: str = "fake",
+               repeated: Sequence[Tuple[torch.nn.Module, str]] = ()) -> TracedStep:
+    """Trace ``fn(**named_args)`` with ``module``'s parameters and buffers lifted to placeholders.
+    ``repeated``: ``(submodule, method)`` pairs the step calls many times with the same argument
+    shapes; each signature is traced once and later calls copy its nodes (``cadence_fx.splice``)."""
     # one placeholder per tensor: a module registered under two names shares its weights, and
     # ``functional_call`` ties the other names to the one passed
     params = dict(module.named_parameters())
@@ -158,6 +164,7 @@ def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any]
     wrapper = _StepModule(module, fn)
 
     def flat_step(*flat):
+        holder["flat"] = flat
         state = dict(zip(state_names, flat[:n_state]))
         it = iter(flat[n_state:])
         values = [next(it) if isinstance(v, torch.Tensor) else v for _, v in leaves]
@@ -181,8 +188,9 @@ def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any]
         state_tensors = TensorSnapshot(module_state_tensors(module).values())
         slots = [(d, dict(d)) for m in module.modules(remove_duplicate=True)
                  for d in (m._parameters, m._buffers)]
+        splicer = RepeatedCalls(repeated, lambda: holder.get("flat", ()))
         try:
-            with torch.no_grad():
+            with torch.no_grad(), splicer:
                 gm = make_fx(flat_step, tracing_mode=tracing_mode, pre_dispatch=True,
                              _allow_non_fake_inputs=True)(*example)
         finally:
@@ -202,5 +210,9 @@ def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any]
     constants = {i: v for i, (_, v) in enumerate(out_leaves) if not isinstance(v, torch.Tensor)}
     seconds = time.perf_counter() - start
     log.debug("traced %d nodes in %.2fs", len(gm.graph.nodes), seconds)
+    if splicer.copies or splicer.refused:
+        log.debug("repeated calls: %d traced, %d copied; traced in full: %s", splicer.traced,
+                  splicer.copies, splicer.refused or "none")
     return TracedStep(gm=gm, inputs=inputs, out_spec=out_spec, out_paths=[p for p, _ in out_leaves],
-                      out_constants=constants, out_tensor_index=tensor_idx, seconds=seconds)
+                      out_constants=constants, out_tensor_index=tensor_idx, seconds=seconds,
+                      copied_calls=splicer.copies, refused=dict(splicer.refused))

@@ -1,0 +1,473 @@
+"""Repeated calls traced once: a method the step calls many times with the same argument shapes
+(the CFM estimator, once per Euler step) is traced on its first call of each signature; its later
+calls copy those nodes into the graph instead of running the same Python and fake-tensor dispatch
+again. Tracing cost is per aten call, so a 10-step solver costs about one step plus the copies.
+
+A copy must be exactly the graph a full trace would have produced, so a copy is made only when the
+first call shows that the method is a function of its arguments and the trace's own inputs:
+
+* every tensor the recorded nodes read from outside is an argument of the call or a tensor that
+  entered the trace as a placeholder (parameters, buffers, the step's arguments) -- nothing read
+  through an attribute the caller may have changed between calls;
+* the Python attributes of the method's module tree, its hooks and the host RNGs are the same
+  before and after the call, and the attributes are unchanged at every later call;
+* no output or written tensor carries a constant value the tracer could fold;
+* no argument or trace input changes its shape, strides or offset in place.
+
+Otherwise that signature is traced in full at every call, with the reason logged (``refused``).
+What cannot be checked is left to the declaration: Python values the method reads from outside
+its module tree (module globals, other objects) must not change between its calls.
+Copied nodes get fake values with the first call's geometry and the same storage sharing, rebased
+onto the new call's arguments, so the passes' alias analysis sees what a full trace shows.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental import proxy_tensor as pt
+from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = ["RepeatedCalls"]
+
+log = logging.getLogger(__name__)
+
+_IMMUTABLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format)
+_VIEW_BY_OFFSET = {torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
+                   torch.ops.aten.set_.source_Storage_storage_offset}
+
+
+class _Refused(Exception):
+    pass
+
+
+def _skey(t: torch.Tensor):
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), tuple(t.stride()), t.storage_offset()
+
+
+def _module_state(module: torch.nn.Module) -> list:
+    """What a module tree's Python behaviour may depend on, compared by identity."""
+    out = []
+    for m in module.modules():
+        if m._forward_hooks or m._forward_pre_hooks:
+            raise _Refused(f"{type(m).__name__} has forward hooks (their Python effects would not "
+                           f"repeat in a copy)")
+        out.append((m, [(k, v) for k, v in vars(m).items()
+                        if k not in ("_parameters", "_buffers", "_modules")],
+                    list(m._parameters.values()), list(m._buffers.values())))
+    return out
+
+
+def _same_state(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        ma is mb and len(va) == len(vb) and all(ka == kb and xa is xb for (ka, xa), (kb, xb) in zip(va, vb))
+        and all(x is y for x, y in zip(pa, pb)) and all(x is y for x, y in zip(ba, bb))
+        for (ma, va, pa, ba), (mb, vb, pb, bb) in zip(a, b))
+
+
+def _host_rng():
+    try:
+        import numpy as np
+        return random.getstate(), np.random.get_state()[1].tobytes()
+    except ImportError:  # pragma: no cover
+        return random.getstate(), None
+
+
+class _Record:
+    """One signature's first call: the nodes it added and how to rebuild them for a later call."""
+
+    def __init__(self, nodes, ext, mutated, outputs, out_spec, plans, state, reads_offset):
+        self.nodes = nodes              # the first call's nodes, in order
+        self.ext = ext                  # external node -> ("arg", leaf index) | ("input", tensor)
+        self.mutated = mutated          # [(("arg", i) | ("input", t), node in nodes)]
+        self.outputs = outputs          # per output leaf: ("node", k) | ("ext", ref) | ("const", v)
+        self.out_spec = out_spec
+        self.plans = plans              # per node: how to rebuild its fake value
+        self.state = state              # the module tree's attributes at the first call
+        self.reads_offset = reads_offset  # some node places a view by explicit storage offset
+
+
+class RepeatedCalls:
+    """Patches ``method`` of each ``(module, method)`` target for the duration of one trace."""
+
+    def __init__(self, targets: Sequence[Tuple[torch.nn.Module, str]], placeholders: Callable[[], list]):
+        self.targets = list(targets)
+        self._placeholders = placeholders   # the trace inputs' fake tensors (once tracing started)
+        self.records: Dict[tuple, _Record] = {}
+        self.refused: Dict[str, str] = {}
+        self.copies = 0
+        self.traced = 0
+        self._failed: set = set()       # signatures whose calls are traced in full
+        self._by_storage = None         # trace input storage -> ids of the inputs on it
+        self._saved: List[Tuple[torch.nn.Module, str, Any]] = []
+
+    def __enter__(self):
+        for module, name in self.targets:
+            orig = getattr(module, name)
+            self._saved.append((module, name, module.__dict__.get(name, _MISSING)))
+            setattr(module, name, self._wrap(module, name, orig))
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, before in reversed(self._saved):
+            if before is _MISSING:
+                delattr(module, name)
+            else:
+                setattr(module, name, before)
+        self._saved.clear()
+
+    # -- the patched method ------------------------------------------------------------------
+    def _wrap(self, module, name, orig):
+        label = f"{type(module).__name__}.{name}"
+
+        def call(*args, **kwargs):
+            mode = pt.get_proxy_mode()
+            if mode is None:
+                return orig(*args, **kwargs)
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            try:
+                key = (id(module), name, spec, _leaf_key(leaves), self._sharing(leaves))
+            except _Refused as e:
+                self.refused.setdefault(label, str(e))
+                return orig(*args, **kwargs)
+            rec = self.records.get(key)
+            if rec is not None:
+                try:
+                    out = self._copy(rec, mode.tracer, module, leaves)
+                    self.copies += 1
+                    return out
+                except _Refused as e:
+                    self.refused.setdefault(label, str(e))
+                    return orig(*args, **kwargs)
+            if key in self._failed:
+                return orig(*args, **kwargs)
+            try:
+                state = _module_state(module)
+            except _Refused as e:
+                self._failed.add(key)
+                self.refused.setdefault(label, str(e))
+                return orig(*args, **kwargs)
+            out, rec = self._record(mode.tracer, module, orig, args, kwargs, leaves, state)
+            if isinstance(rec, str):
+                self._failed.add(key)
+                self.refused.setdefault(label, rec)
+                log.info("%s is traced at every call with these arguments: %s", label, rec)
+            else:
+                self.traced += 1
+                self.records[key] = rec
+            return out
+
+        return call
+
+    def _sharing(self, leaves) -> tuple:
+        """Which trace inputs each tensor argument shares its storage with (part of the key)."""
+        if self._by_storage is None:
+            self._by_storage = {}
+            for t in self._placeholders():
+                if isinstance(t, torch.Tensor):
+                    self._by_storage.setdefault(_skey(t), set()).add(id(t))
+        return tuple(frozenset(self._by_storage.get(_skey(x), ())) if isinstance(x, torch.Tensor)
+                     else None for x in leaves)
+
+    # -- the first call ----------------------------------------------------------------------
+    def _record(self, tracer, module, orig, args, kwargs, leaves, state):
+        """Run the call (traced as usual); return its result and its record, or the reason why
+        later calls cannot be copies."""
+        rng = _host_rng()
+        graph = tracer.graph
+        last = graph._root.prev
+        inputs = [t for t in self._placeholders() if isinstance(t, torch.Tensor)]
+        watched = [t for t in leaves if isinstance(t, torch.Tensor)] + inputs
+        before = {id(t): (_slot(tracer, t), _geometry(t)) for t in watched}
+        out = orig(*args, **kwargs)
+        try:
+            return out, self._examine(tracer, module, leaves, out, state, rng, last, inputs, before)
+        except _Refused as e:
+            return out, str(e)
+
+    def _examine(self, tracer, module, leaves, out, state, rng, last, inputs, before):
+        refuse = _Refused
+        graph = tracer.graph
+
+        nodes = []
+        n = last.next
+        while n is not graph._root:
+            nodes.append(n)
+            n = n.next
+        if not _same_state(state, _module_state(module)) or _host_rng() != rng:
+            raise refuse("the call changed its module's Python attributes or drew host random numbers")
+        enters = sum(getattr(n.target, "__name__", "") == "_enter_autocast" for n in nodes)
+        exits = sum(getattr(n.target, "__name__", "") == "_exit_autocast" for n in nodes)
+        if enters != exits:
+            raise refuse("an autocast region opens or closes across the call's boundary")
+        inside = set(nodes)
+        # which tensor each outside node stands for: arguments first, then the trace's inputs
+        leaf_at = {}
+        for i, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor):
+                node = before[id(t)][0]
+                if node is None:
+                    raise refuse(f"argument {i} is a tensor the tracer does not track (a constant)")
+                leaf_at.setdefault(node, ("arg", i))
+        for t in inputs:
+            node = before[id(t)][0]
+            if node is not None:
+                leaf_at.setdefault(node, ("input", t))
+        ext = {}
+        for n in nodes:
+            for a in n.all_input_nodes:
+                if a in inside or a in ext:
+                    continue
+                if a.op == "get_attr":
+                    ext[a] = ("same", a)
+                elif a in leaf_at:
+                    ext[a] = leaf_at[a]
+                else:
+                    raise refuse(f"node {n.name} reads {a.name}, a value that is neither an argument "
+                                 f"of the call nor an input of the trace (read through an attribute?)")
+        # writes to arguments and trace inputs: which node the tensor's proxy moved to
+        mutated = []
+        for i, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor):
+                mutated += self._moved(tracer, t, before, inside, ("arg", i), refuse)
+        for t in inputs:
+            mutated += self._moved(tracer, t, before, inside, ("input", t), refuse)
+        # results
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        index = {n: k for k, n in enumerate(nodes)}
+        outputs = []
+        for o in out_leaves:
+            if isinstance(o, torch.Tensor):
+                slot = pt.get_proxy_slot(o, tracer, None)
+                if slot is None:
+                    raise refuse("a result tensor is not tracked (a constant)")
+                if slot.constant is not None:
+                    raise refuse("a result carries a constant value the tracer may fold later")
+                node = slot.proxy.node
+                if node in index:
+                    outputs.append(("node", index[node]))
+                elif node in ext and ext[node][0] != "same":
+                    outputs.append(("ext", ext[node]))
+                else:
+                    raise refuse("a result is a tensor from outside the call that it did not read")
+            elif isinstance(o, _IMMUTABLE):
+                outputs.append(("const", o))
+            else:
+                raise refuse(f"a result of type {type(o).__name__} is not a tensor or a constant")
+        plans = _plans(nodes, leaves, ext, refuse)
+        reads_offset = any(n.target in _VIEW_BY_OFFSET for n in nodes)
+        return _Record(nodes, ext, mutated, outputs, out_spec, plans, state, reads_offset)
+
+    @staticmethod
+    def _moved(tracer, t, before, inside, ref, refuse):
+        node0, geometry = before[id(t)]
+        slot = pt.get_proxy_slot(t, tracer, None)
+        node1 = None if slot is None else slot.proxy.node
+        if _geometry(t) != geometry:
+            raise refuse("the call changed the shape or strides of a tensor in place")
+        if node1 is node0:
+            return []
+        if node1 not in inside:
+            raise refuse("a tensor's proxy moved outside the call")
+        if slot.constant is not None:
+            raise refuse("a written tensor carries a constant value")
+        return [(ref, node1)]
+
+    # -- a later call ------------------------------------------------------------------------
+    def _copy(self, rec: _Record, tracer, module, leaves):
+        if not _same_state(rec.state, _module_state(module)):
+            raise _Refused("the module's Python attributes changed since the first call")
+        pinned = rec.plans.pinned if not rec.reads_offset else rec.plans.arg_offsets
+        for i in pinned:
+            if leaves[i].storage_offset() != rec.plans.arg_offsets[i]:
+                raise _Refused(f"argument {i} sits at another storage offset than at the first "
+                               f"call, and the call reads its storage "
+                               + ("by explicit offset" if rec.reads_offset else "through a trace input too"))
+
+        def tensor_of(ref):
+            kind, what = ref
+            return leaves[what] if kind == "arg" else what
+
+        mapping = {}
+        for a, ref in rec.ext.items():
+            if ref[0] == "same":
+                mapping[a] = a
+            else:
+                slot = pt.get_proxy_slot(tensor_of(ref), tracer, None)
+                if slot is None:
+                    raise _Refused("an input of the call is no longer tracked")
+                mapping[a] = slot.proxy.node
+        vals = rec.plans.build(leaves)
+        graph = tracer.graph
+        made = []
+        for k, n in enumerate(rec.nodes):
+            if n.op == "get_attr":
+                mapping[n] = n      # a full trace reuses the constant's node as well
+                made.append(n)
+                continue
+            new = graph.node_copy(n, lambda m: mapping[m])
+            if vals[k] is not _NO_VAL:
+                new.meta["val"] = vals[k]
+            mapping[n] = new
+            made.append(new)
+        for ref, node in rec.mutated:
+            pt.track_tensor_tree(tensor_of(ref), torch.fx.Proxy(mapping[node], tracer),
+                                 constant=None, tracer=tracer)
+        out = []
+        for kind, what in rec.outputs:
+            if kind == "node":
+                v = vals[what]
+                pt.track_tensor_tree(v, torch.fx.Proxy(made[what], tracer), constant=None,
+                                     tracer=tracer)
+                out.append(v)
+            elif kind == "ext":
+                out.append(tensor_of(what))
+            else:
+                out.append(what)
+        return pytree.tree_unflatten(out, rec.out_spec)
+
+
+_MISSING = object()
+_NO_VAL = object()
+
+
+def _slot(tracer, t):
+    slot = pt.get_proxy_slot(t, tracer, None)
+    return None if slot is None else slot.proxy.node
+
+
+def _leaf_key(leaves) -> tuple:
+    """What a copy depends on: tensor geometry (not the offset: views are rebased), the storage
+    sharing between arguments, and the value of every other argument."""
+    key, first = [], {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            s = _skey(x)
+            j = first.setdefault(s, i)
+            key.append((tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.requires_grad, j,
+                        x.storage_offset() - leaves[j].storage_offset()))
+        elif isinstance(x, _IMMUTABLE):
+            key.append((type(x), x))
+        else:
+            raise _Refused(f"argument {i} of type {type(x).__name__} is not a tensor or a constant")
+    from .tracing import global_signature   # grad, inference mode, autocast, deterministic kernels
+    return tuple(key) + global_signature()
+
+
+class _Plans:
+    """How to rebuild every node's fake value for a later call: a view of an argument's or trace
+    input's storage is rebased onto the new call's tensor; a storage the call created is made
+    afresh, once, with its full size."""
+
+    def __init__(self, steps, arg_offsets, pinned, fake_mode):
+        self.steps = steps
+        self.arg_offsets = arg_offsets  # argument index -> storage offset at the first call
+        self.pinned = pinned            # arguments whose storage the call also reads as an input
+        self.fake_mode = fake_mode
+
+    def build(self, leaves) -> list:
+        # Straight on the meta tensors under the fakes, then wrapped as fakes: what fake mode does
+        # for a view or an empty op, without a trip through its dispatch (most of a copy's cost).
+        mode = self.fake_mode
+        metas: List[Any] = []
+        made: Dict[int, torch.Tensor] = {}
+        with pt.disable_proxy_modes_tracing(), torch._C.DisableTorchFunction(), \
+                in_kernel_invocation_manager(mode):
+            for step in self.steps:
+                if step is None or step[0] == "value":
+                    metas.append(step)
+                    continue
+                _, spec, parts = step
+                tensors = []
+                for how, src, geometry, dtype, device, nbytes in parts:
+                    size, stride, offset = geometry
+                    if how == "fresh":
+                        base = torch.empty(nbytes // _itemsize(dtype), dtype=dtype, device="meta")
+                        made[src] = base
+                        view = base.as_strided(size, stride, offset)
+                    elif how == "made":
+                        view = made[src].as_strided(size, stride, offset)
+                    else:  # "arg" / "input": rebased on the tensor's own offset
+                        t = leaves[src[0]] if how == "arg" else src[0]
+                        view = t.as_strided(size, stride, t.storage_offset() + offset)
+                    tensors.append((view, device))
+                metas.append((spec, tensors))
+        out = []
+        for m in metas:
+            if m is None:
+                out.append(_NO_VAL)
+            elif m[0] == "value":
+                out.append(m[2])
+            else:
+                spec, tensors = m
+                out.append(pytree.tree_unflatten([FakeTensor(mode, v, d) for v, d in tensors], spec))
+        return out
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()  # meta: no memory, no mode
+
+
+def _plans(nodes, leaves, ext, refuse) -> _Plans:
+    # storage -> (kind, where, offset of the source at the first call, dtype)
+    sources: Dict[Any, tuple] = {}
+    arg_offsets = {}
+    fake_mode = None
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            arg_offsets[i] = x.storage_offset()
+            sources.setdefault(_skey(x), ("arg", (i,), x.storage_offset(), x.dtype))
+            fake_mode = fake_mode or getattr(x, "fake_mode", None)
+    for a, ref in ext.items():
+        if ref[0] == "input":
+            t = ref[1]
+            sources.setdefault(_skey(t), ("input", (t,), t.storage_offset(), t.dtype))
+            fake_mode = fake_mode or getattr(t, "fake_mode", None)
+    ext_inputs = {_skey(ref[1]) for ref in ext.values() if ref[0] == "input"}
+    pinned = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and _skey(x) in ext_inputs]
+    steps = []
+    created = 0
+    for n in nodes:
+        if n.op == "get_attr" or "val" not in n.meta:
+            steps.append(None)
+            continue
+        val = n.meta["val"]
+        flat, spec = pytree.tree_flatten(val)
+        if not any(isinstance(v, torch.Tensor) for v in flat):
+            steps.append(("value", spec, val))
+            continue
+        parts = []
+        for v in flat:
+            if not isinstance(v, torch.Tensor):
+                raise refuse(f"node {n.name} mixes tensors and other values in its result")
+            fake_mode = fake_mode or getattr(v, "fake_mode", None)
+            s = _skey(v)
+            geometry = _geometry(v)
+            src = sources.get(s)
+            if src is None:
+                sources[s] = ("made", created, 0, v.dtype)
+                parts.append(("fresh", created, geometry, v.dtype, v.device,
+                              v.untyped_storage().nbytes()))
+                created += 1
+                continue
+            how, where, base_offset, dtype = src
+            if dtype != v.dtype:
+                raise refuse(f"node {n.name} views a storage as another dtype")
+            if how == "made":
+                parts.append(("made", where, geometry, v.dtype, v.device, 0))
+            else:
+                size, stride, offset = geometry
+                parts.append((how, where, (size, stride, offset - base_offset), v.dtype, v.device, 0))
+        steps.append(("tensors", spec, parts))
+    if fake_mode is None:
+        raise refuse("no fake tensor among the call's values")
+    return _Plans(steps, arg_offsets, pinned, fake_mode)

@@ -1,0 +1,196 @@
+"""Repeated calls traced once (``Adapter.repeated``, ``cadence_fx.splice``): the copied graph is node
+for node the graph a full trace gives -- same ops, arguments, fake geometry and storage sharing --
+on the real CFM loop; a method that reads hidden inputs or changes Python state is traced in full."""
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import cadence_fx
+from cadence_fx import adapters
+from cadence_fx.contract import Adapter, PromptRetained, Region
+from cadence_fx.errors import ContractError
+from cadence_fx.pipeline import Options
+from cadence_fx.tracing import bind_arguments, trace_step
+
+
+def difference(ga, gb):
+    """None when the graphs match node for node, else the first difference."""
+    na, nb = list(ga.graph.nodes), list(gb.graph.nodes)
+    if len(na) != len(nb):
+        return f"{len(na)} vs {len(nb)} nodes"
+    pa, pb = {n: i for i, n in enumerate(na)}, {n: i for i, n in enumerate(nb)}
+    ab, ba = {}, {}
+    for i, (x, y) in enumerate(zip(na, nb)):
+        if x.op != y.op or (x.op != "get_attr" and x.target != y.target):
+            return f"node {i}: {x.op} {x.target} vs {y.op} {y.target}"
+        if x.op == "get_attr" and not torch.equal(getattr(ga, x.target), getattr(gb, y.target)):
+            return f"node {i}: constants {x.target} and {y.target} differ"
+        fa = pytree.tree_map(lambda v: ("node", pa[v]) if isinstance(v, torch.fx.Node) else v, (x.args, x.kwargs))
+        fb = pytree.tree_map(lambda v: ("node", pb[v]) if isinstance(v, torch.fx.Node) else v, (y.args, y.kwargs))
+        if repr(fa) != repr(fb):
+            return f"node {i} ({x.name}): arguments {fa} vs {fb}"
+        va, vb = pytree.tree_leaves(x.meta.get("val")), pytree.tree_leaves(y.meta.get("val"))
+        if len(va) != len(vb):
+            return f"node {i} ({x.name}): value structure differs"
+        for u, w in zip(va, vb):
+            if not isinstance(u, torch.Tensor) or not isinstance(w, torch.Tensor):
+                if u != w:
+                    return f"node {i} ({x.name}): value {u!r} vs {w!r}"
+                continue
+            gu = (u.shape, u.stride(), u.storage_offset(), u.dtype, u.untyped_storage().nbytes())
+            gw = (w.shape, w.stride(), w.storage_offset(), w.dtype, w.untyped_storage().nbytes())
+            if gu != gw:
+                return f"node {i} ({x.name}): geometry {gu} vs {gw}"
+            su, sw = StorageWeakRef(u.untyped_storage()), StorageWeakRef(w.untyped_storage())
+            if ab.setdefault(su, sw) != sw or ba.setdefault(sw, su) != su:
+                return f"node {i} ({x.name}): storage sharing differs"
+    return None
+
+
+# -- the real CFM loop ----------------------------------------------------------------------------
+token2wav = pytest.importorskip("cadence_fx.models.token2wav")
+try:
+    token2wav.import_stock()
+    _HAVE_STOCK = True
+except ImportError:  # pragma: no cover - the CI installs minicpmo and einops
+    _HAVE_STOCK = False
+needs_stock = pytest.mark.skipif(not _HAVE_STOCK, reason="minicpmo not installed")
+
+
+@pytest.fixture(scope="module")
+def cfm():
+    step = token2wav.CFMStep(token2wav.build_cfm(depth=2))
+    spks, prompt = token2wav.prime_cfm(step)
+    g = torch.Generator().manual_seed(4)
+    mu, cond = torch.randn(1, 80, 50, generator=g), torch.zeros(1, 80, 50)
+    with torch.inference_mode():
+        _, steady = step(mu, spks, cond, prompt)
+    return step, spks, prompt, steady, mu, cond
+
+
+@needs_stock
+@pytest.mark.parametrize("which", ["prompt", "steady", "first"])
+def test_copied_calls_give_the_full_trace_node_for_node(cfm, which):
+    step, spks, prompt, steady, mu, cond = cfm
+    state = {"prompt": prompt, "steady": steady, "first": None}[which]
+    named = bind_arguments(step.forward, (mu, spks, cond, state), {})
+    with torch.inference_mode():
+        full = trace_step(step, step.forward, named)
+        copied = trace_step(step, step.forward, named, repeated=[(step.cfm.estimator, "forward_chunk")])
+    assert (full.copied_calls, copied.copied_calls, copied.refused) == (0, 9, {})
+    assert difference(full.gm, copied.gm) is None
+
+
+@needs_stock
+def test_the_comparison_can_fail(cfm):
+    step, spks, prompt, steady, mu, cond = cfm
+    with torch.inference_mode():
+        a = trace_step(step, step.forward, bind_arguments(step.forward, (mu, spks, cond, prompt), {}))
+        b = trace_step(step, step.forward, bind_arguments(step.forward, (mu, spks, cond, steady), {}))
+    assert difference(a.gm, b.gm) is not None
+    # same ops, one storage shared differently: a view re-pointed at a fresh storage
+    with torch.inference_mode():
+        c = trace_step(step, step.forward, bind_arguments(step.forward, (mu, spks, cond, prompt), {}))
+
+    def shares(n):
+        v = n.meta.get("val")
+        return isinstance(v, torch.Tensor) and any(
+            isinstance(a.meta.get("val"), torch.Tensor)
+            and a.meta["val"].untyped_storage() is v.untyped_storage() for a in n.all_input_nodes)
+    node = next(n for n in c.gm.graph.nodes if n.op == "call_function" and shares(n))
+    v = node.meta["val"]
+    with v.fake_mode:
+        node.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+    assert "storage" in difference(a.gm, c.gm) or "geometry" in difference(a.gm, c.gm)
+
+
+@needs_stock
+def test_compiled_stream_copies_nine_of_ten_estimator_calls_and_stays_bit_exact(cfm):
+    step, spks, prompt, _, _, _ = cfm
+    adapter = adapters.get("minicpmo-token2wav").select("estimator_att_cache", "estimator_cnn_cache")
+    assert adapter.repeated == ("estimator.forward_chunk",)
+    g = torch.Generator().manual_seed(5)
+    chunks = [(torch.randn(1, 80, w, generator=g), torch.zeros(1, 80, w)) for w in (50, 50, 56)]
+    compiled = {flag: cadence_fx.compile(step, adapter, options=Options(repeated=flag))
+                for flag in (True, False)}
+    states = {"stock": prompt, True: prompt, False: prompt}
+    for mu, cond in chunks:
+        with torch.inference_mode():
+            ref, states["stock"] = step(mu, spks, cond, states["stock"])
+            for flag, c in compiled.items():
+                mel, states[flag] = c(mu, spks, cond, states[flag])
+                assert torch.equal(mel, ref), f"repeated={flag}"
+    on, off = compiled[True].counters, compiled[False].counters
+    assert on.traces == off.traces >= 2
+    assert (on.copied_calls, off.copied_calls) == (9 * on.traces, 0)
+
+
+# -- what is never copied -------------------------------------------------------------------------
+class Inner(torch.nn.Module):
+    def __init__(self, hidden=False, counter=False):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.hidden, self.counter = hidden, counter
+        self.extra = None   # set by the caller before each call (a hidden input)
+        self.calls = 0
+
+    def step(self, x):
+        if self.counter:
+            self.calls += 1          # Python state the copies would not advance
+        y = self.lin(x).relu()
+        return y + self.extra if self.hidden else y
+
+
+class Outer(torch.nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.inner = Inner(**kw)
+
+    def forward(self, x, cache):
+        for k in range(4):   # the first call reads the step's input; the others share a key
+            if self.inner.hidden:
+                self.inner.extra = x * (k + 1)
+            x = self.inner.step(x)
+        return x, {"att": torch.cat([cache["att"], x], dim=1)}
+
+
+@pytest.mark.parametrize("kw, why", [({"hidden": True}, "neither an argument"),
+                                     ({"counter": True}, "Python attributes")])
+def test_a_method_with_hidden_inputs_or_python_effects_is_traced_in_full(kw, why):
+    model = Outer(**kw)
+    x, cache = torch.randn(1, 4, 8), {"att": torch.randn(1, 6, 8)}
+    named = bind_arguments(model.forward, (x, cache), {})
+    full = trace_step(model, model.forward, named)
+    model.inner.calls = 0
+    copied = trace_step(model, model.forward, named, repeated=[(model.inner, "step")])
+    assert copied.copied_calls == 0
+    assert why in copied.refused["Inner.step"]
+    assert difference(full.gm, copied.gm) is None
+
+
+def test_a_pure_method_is_copied_and_gives_the_full_trace():
+    model = Outer()
+    x, cache = torch.randn(1, 4, 8), {"att": torch.randn(1, 6, 8)}
+    named = bind_arguments(model.forward, (x, cache), {})
+    full = trace_step(model, model.forward, named)
+    copied = trace_step(model, model.forward, named, repeated=[(model.inner, "step")])
+    assert (copied.copied_calls, copied.refused) == (2, {})
+    assert difference(full.gm, copied.gm) is None
+    assert "step" not in vars(model.inner)   # the patch is gone after the trace
+
+
+def _toy_adapter(repeated):
+    att = Region(name="att", input="cache.att", output="1.att", dim=1,
+                 retention=PromptRetained("p", "r"), advance="c", shape=("b", None, "w"))
+    return Adapter(name="toy-repeated", clocks={"p": 6, "r": 2, "c": 4, "b": 1, "w": 8},
+                   regions=(att,), repeated=repeated)
+
+
+@pytest.mark.parametrize("decl, says", [("step", "is not '<submodule>.<method>'"),
+                                        ("missing.step", "names no submodule called 'missing'"),
+                                        ("inner.nothing", "has no method 'nothing'")])
+def test_bad_repeated_declarations_name_the_fix(decl, says):
+    with pytest.raises(ContractError, match="fix `repeated`") as e:
+        cadence_fx.compile(Outer(), _toy_adapter((decl,)))
+    assert says in str(e.value)
