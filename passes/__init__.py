@@ -1,5 +1,5 @@
 """Graph passes, one per module. Each takes ``(GraphModule, PassContext)`` and returns a
-``PassResult``; ``cadence_fx.pipeline`` runs them in order, lints and recompiles between them."""
+``PassResult``; ``cadence_fx.pipeline`` runs them in order, lints between them and recompiles after the last."""
 from .carry_retention import carry_retention
 from .hoist_constants import hoist_constants
 from .lower_guarded import lower_guarded
