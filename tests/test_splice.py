@@ -70,12 +70,12 @@ def cfm():
 
 
 @needs_stock
-@pytest.mark.parametrize("which", ["prompt", "steady", "first"])
+@pytest.mark.parametrize("which", ["prompt", "steady", "first", "autocast"])
 def test_copied_calls_give_the_full_trace_node_for_node(cfm, which):
     step, spks, prompt, steady, mu, cond = cfm
-    state = {"prompt": prompt, "steady": steady, "first": None}[which]
+    state = {"prompt": prompt, "steady": steady, "first": None, "autocast": prompt}[which]
     named = bind_arguments(step.forward, (mu, spks, cond, state), {})
-    with torch.inference_mode():
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=which == "autocast"):
         full = trace_step(step, step.forward, named)
         copied = trace_step(step, step.forward, named, repeated=[(step.cfm.estimator, "forward_chunk")])
     assert (full.copied_calls, copied.copied_calls, copied.refused) == (0, 9, {})
