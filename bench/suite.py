@@ -201,6 +201,9 @@ def counters_row(compiled):
     return {"replays": k.replays, "fallbacks": k.fallbacks, "invalidations": k.invalidations,
             "classes": len(compiled.classes), "traces": k.traces,
             "trace_s": sum(e.traced.seconds for e in compiled.classes.values()),
+            "copied_calls": k.copied_calls,
+            "passes_s": sum(p["seconds"] for e in compiled.classes.values() for p in e.records["passes"]),
+            "probe_s": sum(e.records.get("probe_s", 0.0) for e in compiled.classes.values()),
             "capture_s": getattr(backend, "capture_seconds", 0.0),
             "graphs_captured": getattr(backend, "captured", 0),
             "staging_bytes": getattr(backend, "staging_bytes", 0),
@@ -454,6 +457,10 @@ def whole_part(args):
         fallbacks=cflow.counters.fallbacks + chift.counters.fallbacks,
         cold_compile_s=cold_s,
         trace_s=sum(e.traced.seconds for c in (cflow, chift) for e in c.classes.values()),
+        copied_calls=cflow.counters.copied_calls + chift.counters.copied_calls,
+        passes_s=sum(p["seconds"] for c in (cflow, chift) for e in c.classes.values()
+                     for p in e.records["passes"]),
+        probe_s=sum(e.records.get("probe_s", 0.0) for c in (cflow, chift) for e in c.classes.values()),
         capture_s=sum(getattr(c.backend, "capture_seconds", 0.0) for c in (cflow, chift)),
         classes=len(cflow.classes) + len(chift.classes), status="ok")
     res["SRc"]["ratio_vs_E_ci95"], res["SRc"]["ratio_vs_E_mean"] = ratio_ci(ms, ref_ms)

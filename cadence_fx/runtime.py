@@ -16,6 +16,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -391,7 +392,9 @@ class CompiledStep:
                 log.info("class %s: %s traced at every call: %s", key[0], method, why)
             if self.trace_cache is not None:
                 self.trace_cache[cache_key] = _copy_traced(traced)
+        probe_start = time.perf_counter()
         reason = self._probe_effects(traced, named)
+        probe_s = time.perf_counter() - probe_start
         if reason is not None:
             log.warning("class %s rejected: %s", key[0], reason)
             self._rejected[key] = reason
@@ -416,6 +419,7 @@ class CompiledStep:
                           backend=self.backend, counters=self.counters, strict=self.strict,
                           constant_ids=self._constant_ids,
                           alias_state=self.options.alias_state and not self.options.state_rule)
+        ctx.records["probe_s"] = probe_s
         try:
             gm = run_pipeline(gm, ctx, self._pipeline)
         except PassFailed as e:
