@@ -193,6 +193,8 @@ class RepeatedCalls:
             return out, self._examine(tracer, module, leaves, out, state, rng, last, inputs, before)
         except _Refused as e:
             return out, str(e)
+        except Exception as e:  # noqa: BLE001 - tracer internals of another torch: trace in full
+            return out, f"could not record the call ({type(e).__name__}: {e})"
 
     def _examine(self, tracer, module, leaves, out, state, rng, last, inputs, before):
         refuse = _Refused
@@ -306,7 +308,10 @@ class RepeatedCalls:
                 if slot is None:
                     raise _Refused("an input of the call is no longer tracked")
                 mapping[a] = slot.proxy.node
-        vals = rec.plans.build(leaves)
+        try:   # nothing is in the graph yet: a failure here leaves a full trace of this call
+            vals = rec.plans.build(leaves)
+        except Exception as e:  # noqa: BLE001 - fake tensor internals of another torch
+            raise _Refused(f"could not rebuild the copy's fake values ({type(e).__name__}: {e})")
         graph = tracer.graph
         made = []
         for k, n in enumerate(rec.nodes):

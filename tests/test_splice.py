@@ -194,3 +194,21 @@ def test_bad_repeated_declarations_name_the_fix(decl, says):
     with pytest.raises(ContractError, match="fix `repeated`") as e:
         cadence_fx.compile(Outer(), _toy_adapter((decl,)))
     assert says in str(e.value)
+
+
+def test_a_copy_that_cannot_be_built_leaves_the_full_trace(monkeypatch):
+    """Fake-tensor internals differ between torch releases: if a copy's values cannot be rebuilt,
+    that call is traced in full instead, with the reason."""
+    from cadence_fx import splice
+
+    def broken(self, leaves):
+        raise RuntimeError("no such internal")
+    monkeypatch.setattr(splice._Plans, "build", broken)
+    model = Outer()
+    x, cache = torch.randn(1, 4, 8), {"att": torch.randn(1, 6, 8)}
+    named = bind_arguments(model.forward, (x, cache), {})
+    full = trace_step(model, model.forward, named)
+    copied = trace_step(model, model.forward, named, repeated=[(model.inner, "step")])
+    assert copied.copied_calls == 0
+    assert "could not rebuild" in copied.refused["Inner.step"]
+    assert difference(full.gm, copied.gm) is None
