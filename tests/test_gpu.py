@@ -256,6 +256,24 @@ def test_real_cfm_chunk_is_one_captured_piece():
         assert entry.records["staging_predicted"] == sum(
             m.staging_bytes for m in entry.gm.modules() if hasattr(m, "staging_bytes"))
     assert compiled.counters.replays == len(chunks) and compiled.counters.fallbacks == 0
+    assert compiled.counters.copied_calls == 9 * compiled.counters.traces   # the DiT, per step
+
+
+def test_copied_dit_calls_give_the_full_trace_on_cuda():
+    """Repeated calls traced once, on CUDA fakes under the bench's autocast: node for node the
+    full trace (ops, arguments, geometry, storage sharing)."""
+    token2wav = pytest.importorskip("cadence_fx.models.token2wav")
+    from cadence_fx.tracing import bind_arguments, trace_step
+    from test_splice import difference
+    step = token2wav.CFMStep(token2wav.build_cfm(2, device=DEV))
+    spks, prompt = token2wav.prime_cfm(step, device=DEV)
+    mu, cond = torch.randn(1, 80, 50, device=DEV), torch.zeros(1, 80, 50, device=DEV)
+    named = bind_arguments(step.forward, (mu, spks, cond, prompt), {})
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float32):
+        full = trace_step(step, step.forward, named)
+        copied = trace_step(step, step.forward, named, repeated=[(step.cfm.estimator, "forward_chunk")])
+    assert (copied.copied_calls, copied.refused) == (9, {})
+    assert difference(full.gm, copied.gm) is None
 
 
 def test_moshi_frame_replays_bit_exact_against_the_stock_loop():
