@@ -195,16 +195,21 @@ def measure(stream, step, ref, ref_times, *, warm=True, prof=True, blocks=None):
     return ref, row
 
 
+def compile_breakdown(*compiled):
+    """Where the cold compile of these compiled steps went, summed over their classes."""
+    entries = [e for c in compiled for e in c.classes.values()]
+    return {"trace_s": sum(e.traced.seconds for e in entries),
+            "copied_calls": sum(c.counters.copied_calls for c in compiled),
+            "passes_s": sum(p["seconds"] for e in entries for p in e.records["passes"]),
+            "probe_s": sum(e.records.get("probe_s", 0.0) for e in entries),
+            "capture_s": sum(getattr(c.backend, "capture_seconds", 0.0) for c in compiled)}
+
+
 def counters_row(compiled):
     k = compiled.counters
     backend = compiled.backend
     return {"replays": k.replays, "fallbacks": k.fallbacks, "invalidations": k.invalidations,
-            "classes": len(compiled.classes), "traces": k.traces,
-            "trace_s": sum(e.traced.seconds for e in compiled.classes.values()),
-            "copied_calls": k.copied_calls,
-            "passes_s": sum(p["seconds"] for e in compiled.classes.values() for p in e.records["passes"]),
-            "probe_s": sum(e.records.get("probe_s", 0.0) for e in compiled.classes.values()),
-            "capture_s": getattr(backend, "capture_seconds", 0.0),
+            "classes": len(compiled.classes), "traces": k.traces, **compile_breakdown(compiled),
             "graphs_captured": getattr(backend, "captured", 0),
             "staging_bytes": getattr(backend, "staging_bytes", 0),
             "released_bytes": k.released_bytes,
@@ -455,13 +460,7 @@ def whole_part(args):
     res["SRc"].update(
         replays=cflow.counters.replays + chift.counters.replays,
         fallbacks=cflow.counters.fallbacks + chift.counters.fallbacks,
-        cold_compile_s=cold_s,
-        trace_s=sum(e.traced.seconds for c in (cflow, chift) for e in c.classes.values()),
-        copied_calls=cflow.counters.copied_calls + chift.counters.copied_calls,
-        passes_s=sum(p["seconds"] for c in (cflow, chift) for e in c.classes.values()
-                     for p in e.records["passes"]),
-        probe_s=sum(e.records.get("probe_s", 0.0) for c in (cflow, chift) for e in c.classes.values()),
-        capture_s=sum(getattr(c.backend, "capture_seconds", 0.0) for c in (cflow, chift)),
+        cold_compile_s=cold_s, **compile_breakdown(cflow, chift),
         classes=len(cflow.classes) + len(chift.classes), status="ok")
     res["SRc"]["ratio_vs_E_ci95"], res["SRc"]["ratio_vs_E_mean"] = ratio_ci(ms, ref_ms)
     log(f"  SRc p50 {res['SRc']['p50_ms']:.1f} ms, {res['SRc']['bit_exact_blocks']}/{BLOCKS} blocks "

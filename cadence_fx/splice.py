@@ -23,7 +23,6 @@ onto the new call's arguments, so the passes' alias analysis sees what a full tr
 from __future__ import annotations
 
 import logging
-import random
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -32,6 +31,8 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental import proxy_tensor as pt
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from .effects import RngSnapshot
 
 __all__ = ["RepeatedCalls"]
 
@@ -74,18 +75,10 @@ def _same_state(a: list, b: list) -> bool:
         for (ma, va, pa, ba), (mb, vb, pb, bb) in zip(a, b))
 
 
-def _host_rng():
-    try:
-        import numpy as np
-        return random.getstate(), np.random.get_state()[1].tobytes()
-    except ImportError:  # pragma: no cover
-        return random.getstate(), None
-
-
 class _Record:
     """One signature's first call: the nodes it added and how to rebuild them for a later call."""
 
-    def __init__(self, nodes, ext, mutated, outputs, out_spec, plans, state, reads_offset):
+    def __init__(self, nodes, ext, mutated, outputs, out_spec, plans, state):
         self.nodes = nodes              # the first call's nodes, in order
         self.ext = ext                  # external node -> ("arg", leaf index) | ("input", tensor)
         self.mutated = mutated          # [(("arg", i) | ("input", t), node in nodes)]
@@ -93,7 +86,6 @@ class _Record:
         self.out_spec = out_spec
         self.plans = plans              # per node: how to rebuild its fake value
         self.state = state              # the module tree's attributes at the first call
-        self.reads_offset = reads_offset  # some node places a view by explicit storage offset
 
 
 class RepeatedCalls:
@@ -182,7 +174,7 @@ class RepeatedCalls:
     def _record(self, tracer, module, orig, args, kwargs, leaves, state):
         """Run the call (traced as usual); return its result and its record, or the reason why
         later calls cannot be copies."""
-        rng = _host_rng()
+        rng = RngSnapshot()
         graph = tracer.graph
         last = graph._root.prev
         inputs = [t for t in self._placeholders() if isinstance(t, torch.Tensor)]
@@ -205,7 +197,7 @@ class RepeatedCalls:
         while n is not graph._root:
             nodes.append(n)
             n = n.next
-        if not _same_state(state, _module_state(module)) or _host_rng() != rng:
+        if not _same_state(state, _module_state(module)) or rng.effects().host:
             raise refuse("the call changed its module's Python attributes or drew host random numbers")
         enters = sum(getattr(n.target, "__name__", "") == "_enter_autocast" for n in nodes)
         exits = sum(getattr(n.target, "__name__", "") == "_exit_autocast" for n in nodes)
@@ -265,9 +257,7 @@ class RepeatedCalls:
                 outputs.append(("const", o))
             else:
                 raise refuse(f"a result of type {type(o).__name__} is not a tensor or a constant")
-        plans = _plans(nodes, leaves, ext, refuse)
-        reads_offset = any(n.target in _VIEW_BY_OFFSET for n in nodes)
-        return _Record(nodes, ext, mutated, outputs, out_spec, plans, state, reads_offset)
+        return _Record(nodes, ext, mutated, outputs, out_spec, _plans(nodes, leaves, ext, refuse), state)
 
     @staticmethod
     def _moved(tracer, t, before, inside, ref, refuse):
@@ -288,12 +278,10 @@ class RepeatedCalls:
     def _copy(self, rec: _Record, tracer, module, leaves):
         if not _same_state(rec.state, _module_state(module)):
             raise _Refused("the module's Python attributes changed since the first call")
-        pinned = rec.plans.pinned if not rec.reads_offset else rec.plans.arg_offsets
-        for i in pinned:
+        for i in rec.plans.pinned:
             if leaves[i].storage_offset() != rec.plans.arg_offsets[i]:
                 raise _Refused(f"argument {i} sits at another storage offset than at the first "
-                               f"call, and the call reads its storage "
-                               + ("by explicit offset" if rec.reads_offset else "through a trace input too"))
+                               f"call, and the call reads its storage {rec.plans.pinned_by}")
 
         def tensor_of(ref):
             kind, what = ref
@@ -373,10 +361,11 @@ class _Plans:
     input's storage is rebased onto the new call's tensor; a storage the call created is made
     afresh, once, with its full size."""
 
-    def __init__(self, steps, arg_offsets, pinned, fake_mode):
+    def __init__(self, steps, arg_offsets, pinned, pinned_by, fake_mode):
         self.steps = steps
         self.arg_offsets = arg_offsets  # argument index -> storage offset at the first call
-        self.pinned = pinned            # arguments whose storage the call also reads as an input
+        self.pinned = pinned            # arguments a copy needs at their first-call offset
+        self.pinned_by = pinned_by      # why ("by explicit offset", "through a trace input too")
         self.fake_mode = fake_mode
 
     def build(self, leaves) -> list:
@@ -437,8 +426,14 @@ def _plans(nodes, leaves, ext, refuse) -> _Plans:
             t = ref[1]
             sources.setdefault(_skey(t), ("input", (t,), t.storage_offset(), t.dtype))
             fake_mode = fake_mode or getattr(t, "fake_mode", None)
-    ext_inputs = {_skey(ref[1]) for ref in ext.values() if ref[0] == "input"}
-    pinned = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and _skey(x) in ext_inputs]
+    # a view placed by explicit offset pins every argument; an argument whose storage the call
+    # also reads through a trace input pins that argument (its views could come from either)
+    if any(n.target in _VIEW_BY_OFFSET for n in nodes):
+        pinned, pinned_by = list(arg_offsets), "by explicit offset"
+    else:
+        ext_inputs = {_skey(ref[1]) for ref in ext.values() if ref[0] == "input"}
+        pinned = [i for i in arg_offsets if _skey(leaves[i]) in ext_inputs]
+        pinned_by = "through a trace input too"
     steps = []
     created = 0
     for n in nodes:
@@ -475,4 +470,4 @@ def _plans(nodes, leaves, ext, refuse) -> _Plans:
         steps.append(("tensors", spec, parts))
     if fake_mode is None:
         raise refuse("no fake tensor among the call's values")
-    return _Plans(steps, arg_offsets, pinned, fake_mode)
+    return _Plans(steps, arg_offsets, pinned, pinned_by, fake_mode)
