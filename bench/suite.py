@@ -13,7 +13,8 @@ retention of ``stepaudio2/token2wav.py``; DiT depth 16, 10 Euler steps, CFG 0.7,
 * Rc: replay with the stock-sized state bound by address (``Options.alias_state``).
 * SRc: both rules, the product (``release_envelopes=True``: the stock envelope is freed). It runs
   first among the cadence configurations, so its warm-up pass is the cold compile of the catalog;
-  the others reuse its traces (``trace_cache``) where their signatures match.
+  the others reuse its traces (``trace_cache``) where their signatures match (keeping them copies
+  each traced graph inside that cold compile, so a run with one cadence configuration keeps none).
 * T / TM: ``torch.compile(mode="reduce-overhead" / "max-autotune")`` of the same step (TM runs in a
   subprocess under a time limit).
 * V: the vendor's CUDA-graph branch as shipped (``CausalConditionalCFM.scatter_cuda_graph``:
@@ -202,7 +203,8 @@ def compile_breakdown(*compiled):
             "copied_calls": sum(c.counters.copied_calls for c in compiled),
             "passes_s": sum(p["seconds"] for e in entries for p in e.records["passes"]),
             "probe_s": sum(e.records.get("probe_s", 0.0) for e in entries),
-            "capture_s": sum(getattr(c.backend, "capture_seconds", 0.0) for c in compiled)}
+            "capture_s": sum(getattr(c.backend, "capture_seconds", 0.0) for c in compiled),
+            "warmup_s": sum(getattr(c.backend, "warmup_seconds", 0.0) for c in compiled)}
 
 
 def counters_row(compiled):
@@ -224,13 +226,15 @@ TRACES: dict = {}   # traces shared by the cadence configurations (the first one
 NO_FLOOR: set = set()   # configurations not profiled (--no-floor)
 
 
-def run_cadence(stream, ref, ref_times, name, **compile_kwargs):
+def run_cadence(stream, ref, ref_times, name, share_traces=True, **compile_kwargs):
     from cadence_fx import adapters
     adapter = adapters.get("minicpmo-token2wav").select("estimator_att_cache", "estimator_cnn_cache")
-    compiled = cadence_fx.compile(stream.step, adapter, trace_cache=TRACES, **compile_kwargs)
+    compiled = cadence_fx.compile(stream.step, adapter, trace_cache=TRACES if share_traces else None,
+                                  **compile_kwargs)
     try:
         _, row = measure(stream, compiled, ref, ref_times, prof=name not in NO_FLOOR)
         row.update(counters_row(compiled))
+        row["trace_cache"] = "shared" if share_traces else "none"
         row["status"] = "ok"
         return row
     finally:
@@ -375,11 +379,14 @@ def cfm_part(args, configs, save, device="cuda"):
     e.update(replays=0, fallbacks=0, status="ok")
     res["E"] = e
     save(res)
+    # the traces are kept for the other cadence configurations only when there are any: keeping
+    # them copies every traced graph, inside the cold compile of the configuration that traced it
+    share = sum(c in ("S", "SRc", "R", "Rc") for c in configs) > 1
     jobs = {
-        "S": lambda: run_cadence(stream, ref, e["times_ms"], "S", graphs=False),
-        "SRc": lambda: run_cadence(stream, ref, e["times_ms"], "SRc", release_envelopes=True),
-        "R": lambda: run_cadence(stream, ref, e["times_ms"], "R", state_rule=False),
-        "Rc": lambda: run_cadence(stream, ref, e["times_ms"], "Rc",
+        "S": lambda: run_cadence(stream, ref, e["times_ms"], "S", share, graphs=False),
+        "SRc": lambda: run_cadence(stream, ref, e["times_ms"], "SRc", share, release_envelopes=True),
+        "R": lambda: run_cadence(stream, ref, e["times_ms"], "R", share, state_rule=False),
+        "Rc": lambda: run_cadence(stream, ref, e["times_ms"], "Rc", share,
                                   options=Options(state_rule=False, alias_state=True)),
         "V": lambda: run_vendor(stream, ref, e["times_ms"], rebucket=False),
         "B": lambda: run_vendor(stream, ref, e["times_ms"], rebucket=True),

@@ -18,6 +18,7 @@ States of a piece: not lowered -> (warm-up + probe, capture) -> replaying, or ea
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -37,7 +38,8 @@ class CudaGraphBackend:
         self.copy_outputs = copy_outputs
         self.pool = None
         self.captured = 0
-        self.capture_seconds = 0.0
+        self.capture_seconds = 0.0   # warm-up, staging and capture of every piece
+        self.warmup_seconds = 0.0    # of which the eager warm-up runs
         self.staging_bytes = 0
         self.graph_allocated_bytes = 0   # held by captured graphs: static outputs, staging
         self.graph_reserved_bytes = 0    # reserved by the shared pool, intermediates included
@@ -54,6 +56,7 @@ class CudaGraphBackend:
         end = torch.cuda.Event(enable_timing=True)
         start.record()
         state, rng = TensorSnapshot(written), RngSnapshot()
+        warm_start = time.perf_counter()
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -65,6 +68,8 @@ class CudaGraphBackend:
             state.restore()
             rng.restore()
             return None, f"warm-up failed: {type(e).__name__}: {e}"
+        finally:
+            self.warmup_seconds += time.perf_counter() - warm_start
         effects = rng.effects()
         state.restore()
         rng.restore()

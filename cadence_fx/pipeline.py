@@ -15,6 +15,7 @@ from torch.fx import GraphModule
 
 from .context import PassContext
 from .errors import CadenceError
+from .fx_utils import generate_code
 
 __all__ = ["Options", "build_pipeline", "run_pipeline", "PassFailed"]
 
@@ -55,8 +56,9 @@ def build_pipeline(options: Options) -> List[Tuple[str, Callable]]:
 
 
 def run_pipeline(gm: GraphModule, ctx: PassContext, pipeline) -> GraphModule:
-    """Passes work on graphs and never run the module, so its Python code is generated once, after
-    the last pass (about a second per pass for the 13.7k-node CFM chunk)."""
+    """Passes work on graphs and never run the module, so its Python code (and that of every piece)
+    is generated once, after the last pass (about a second per pass for the 13.8k-node CFM chunk);
+    the trace and the pieces defer theirs (``fx_utils.graph_module``)."""
     for k, (name, fn) in enumerate(pipeline):
         start = time.perf_counter()
         before = len(gm.graph.nodes)
@@ -66,6 +68,7 @@ def run_pipeline(gm: GraphModule, ctx: PassContext, pipeline) -> GraphModule:
             gm.graph.lint()
             if k == len(pipeline) - 1:
                 gm.recompile()
+                generate_code(gm)
         except CadenceError:
             raise
         except Exception as e:  # noqa: BLE001 - name the pass that failed
@@ -78,4 +81,5 @@ def run_pipeline(gm: GraphModule, ctx: PassContext, pipeline) -> GraphModule:
                   len(gm.graph.nodes), seconds)
     if not pipeline:
         gm.recompile()
+        generate_code(gm)
     return gm

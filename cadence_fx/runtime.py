@@ -29,7 +29,7 @@ from .contract import Adapter
 from .counters import Counters
 from .effects import RngSnapshot, TensorSnapshot
 from .errors import ContractError, GuardError, TraceError
-from .fx_utils import mutated_attributes, written_bases
+from .fx_utils import graph_module, mutated_attributes, written_bases
 from .pipeline import Options, PassFailed, build_pipeline, run_pipeline
 from .replay import EagerBackend
 from .tracing import (InputSpec, TracedStep, bind_arguments, global_signature, leaves_with_paths,
@@ -558,7 +558,7 @@ def _copy_traced(traced: TracedStep) -> TracedStep:
     graph = torch.fx.Graph()
     out = graph.graph_copy(traced.gm.graph, {})
     graph.output(out)
-    gm = torch.fx.GraphModule(traced.gm, graph)
+    gm = graph_module(traced.gm, graph)
     return dataclasses.replace(traced, gm=gm, inputs=list(traced.inputs), seconds=0.0)
 
 

@@ -28,6 +28,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .effects import TensorSnapshot
 from .errors import TraceError
+from .fx_utils import code_deferred
 from .splice import RepeatedCalls
 
 __all__ = ["InputSpec", "TracedStep", "bind_arguments", "leaves_with_paths", "trace_step",
@@ -190,7 +191,7 @@ def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any]
                  for d in (m._parameters, m._buffers)]
         splicer = RepeatedCalls(repeated, lambda: holder.get("flat", ()))
         try:
-            with torch.no_grad(), splicer:
+            with torch.no_grad(), splicer, code_deferred():   # the passes generate it
                 gm = make_fx(flat_step, tracing_mode=tracing_mode, pre_dispatch=True,
                              _allow_non_fake_inputs=True)(*example)
         finally:

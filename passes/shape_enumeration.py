@@ -27,7 +27,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from cadence_fx.context import PassContext
-from cadence_fx.fx_utils import aten, val
+from cadence_fx.fx_utils import aten, graph_module, val
 
 __all__ = ["shape_enumeration", "eager_reason"]
 
@@ -156,7 +156,7 @@ def _split(gm: GraphModule, runs: List[List[Node]], piece_of: Dict[Node, int]) -
             senv[n] = sub.node_copy(n, lambda x: senv[x])
         sub.output(tuple(senv[o] for o in outputs))
         name = f"piece_{i}"
-        setattr(root, name, GraphModule(gm, sub, class_name=name))
+        setattr(root, name, graph_module(gm, sub, class_name=name))
         call = top.call_module(name, tuple(env[a] if a.op != "get_attr" else _attr(top, env, a)
                                            for a in inputs))
         for k, o in enumerate(outputs):
@@ -166,7 +166,7 @@ def _split(gm: GraphModule, runs: List[List[Node]], piece_of: Dict[Node, int]) -
                                      else _attr(top, env, a)))
     for name, buf in gm.named_buffers():
         root.register_buffer(name, buf, persistent=False)
-    return GraphModule(root, top, class_name="CadenceStep")
+    return graph_module(root, top, class_name="CadenceStep")
 
 
 def _attr(top: Graph, env: Dict[Node, Node], a: Node) -> Node:
