@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call:  bash bench/device.sh  (writes under $OUT)
-# Steps: all (tests, demo, bench) | tests | demo | moshi | chunk | bench | suite | sessions | reliability,
+# Steps: all (tests, demo, bench) | tests | demo | moshi | chunk | bench | suite | cold | sessions |
+# reliability,
 # or par "<steps for GPU 0>" "<steps for GPU 1>" ... (each under PAR_LIMIT seconds, default 540).
 # BENCH_ARGS passes arguments to the step's script; '+' separates them (BENCH_ARGS=--ns=1,2+--rounds=4).
 # Needs the model wheels in .whl/, carried along:
@@ -63,6 +64,17 @@ if [[ $STEP == suite ]]; then
   CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 bench/suite.py --out "$OUT/$N.json" \
     --configs "${CONFIGS:-E,SRc,S,R,Rc,V,B,T,TM}" --parts "${PARTS:-cfm,whole,moshi}" ${BENCH_ARGS//+/ } \
     > "$OUT/$N.out" 2> "$OUT/$N.log"; echo "suite rc $?"; tail -40 "$OUT/$N.log"
+fi
+if [[ $STEP == cold ]]; then
+  # the cold compile of the CFM catalog in fresh processes, COLD_RUNS times; with COLD_BASELINE (a
+  # folder holding another build's cadence_fx package) alternating with that build, on one host
+  for ((k = 0; k < ${COLD_RUNS:-1}; k++)); do
+    python3 bench/cold_compile.py --out "$OUT/cold-$k.json" > "$OUT/cold-$k.log" 2>&1; tail -3 "$OUT/cold-$k.log"
+    if [[ -n ${COLD_BASELINE:-} ]]; then
+      PYTHONPATH=$COLD_BASELINE:$PYTHONPATH python3 bench/cold_compile.py \
+        --out "$OUT/cold-baseline-$k.json" > "$OUT/cold-baseline-$k.log" 2>&1; tail -3 "$OUT/cold-baseline-$k.log"
+    fi
+  done
 fi
 if [[ $STEP == sessions ]]; then
   python3 bench/sessions.py --out "$OUT/sessions.json" ${BENCH_ARGS//+/ } > "$OUT/sessions.out" 2>&1; echo "sessions rc $?"; tail -20 "$OUT/sessions.out"

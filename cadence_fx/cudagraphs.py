@@ -1,11 +1,17 @@
 """ExactShapeReplay (paper §3.4): one CUDA graph per capturable piece, at its exact signature.
 
-States of a piece: not lowered -> (warm-up + probe, capture) -> replaying, or eager with a reason.
+States of a piece: not lowered -> capture (warm-up first if needed) -> replaying, or eager with a
+reason.
 
-* Warm-up runs the piece once eagerly on a side stream (library handles, autotuning), with every
-  generator watched: host randomness rejects the piece for good; device randomness is admitted.
-  Then the generators and every input the piece writes are put back, so the warm-up is invisible.
-* Capture records the piece into a pool shared by all classes of one compiled step.
+* Capture records the piece into a pool shared by all classes of one compiled step. A piece is
+  lowered only after the probationary stock call of its class (§3.4 (iii)) ran the same kernels
+  at the same shapes on the device -- and rejected host randomness for the whole class -- so it
+  is captured straight away, without running it first.
+* Warm-up, when that capture fails for any reason but out-of-memory (a library setting itself up
+  lazily, which it may not do under capture), or before every capture with ``warm_up=True``:
+  the piece runs once eagerly on a side stream with every generator watched (host randomness
+  rejects it for good; device randomness is admitted), then the generators and every input it
+  writes are put back, so the warm-up is invisible; then it is captured again, once.
 * Aliasing: inputs marked fixed-address (carries, parameters, buffers, and views of them) are read
   in place; every other tensor input is copied into a static staging buffer before each replay,
   and copied back after it when the piece writes that input in place.
@@ -34,12 +40,14 @@ log = logging.getLogger(__name__)
 class CudaGraphBackend:
     name = "cudagraphs"
 
-    def __init__(self, copy_outputs: bool = True):
+    def __init__(self, copy_outputs: bool = True, warm_up: bool = False):
         self.copy_outputs = copy_outputs
+        self.warm_up = warm_up       # warm every piece up before its first capture attempt
         self.pool = None
         self.captured = 0
-        self.capture_seconds = 0.0   # warm-up, staging and capture of every piece
+        self.capture_seconds = 0.0   # staging, capture and any warm-up of every piece
         self.warmup_seconds = 0.0    # of which the eager warm-up runs
+        self.warmups = 0
         self.staging_bytes = 0
         self.graph_allocated_bytes = 0   # held by captured graphs: static outputs, staging
         self.graph_reserved_bytes = 0    # reserved by the shared pool, intermediates included
@@ -50,31 +58,13 @@ class CudaGraphBackend:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         piece.staging_bytes = 0
-        written = [a for a, w in zip(args, piece.mutated) if w and isinstance(a, torch.Tensor)]
-        written += mutated_attributes(piece.module)  # module state the warm-up must not advance
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        state, rng = TensorSnapshot(written), RngSnapshot()
-        warm_start = time.perf_counter()
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.no_grad():
-                piece.module(*args)
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001 - the piece stays eager, with the reason
-            state.restore()
-            rng.restore()
-            return None, f"warm-up failed: {type(e).__name__}: {e}"
-        finally:
-            self.warmup_seconds += time.perf_counter() - warm_start
-        effects = rng.effects()
-        state.restore()
-        rng.restore()
-        if effects.host_reason:
-            return None, effects.host_reason
+        if self.warm_up:
+            reason = self._warm_up(piece, args)
+            if reason:
+                return None, reason
         static = []
         for a, fixed in zip(args, piece.fixed):
             if isinstance(a, torch.Tensor) and not fixed:
@@ -85,15 +75,22 @@ class CudaGraphBackend:
             else:
                 static.append(a)
         allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
-                outs = piece.module(*static)
-        except Exception as e:  # noqa: BLE001
-            torch.cuda.synchronize()
-            state.restore()
-            rng.restore()
+            graph, outs = self._capture(piece, static)
+        except torch.OutOfMemoryError as e:
             return None, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}"
+        except Exception as e:  # noqa: BLE001 - warmed up first, the piece may capture
+            if self.warm_up:
+                return None, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}"
+            log.info("%s: capture failed (%s: %s); warming up and capturing again",
+                     piece.piece_name, type(e).__name__, str(e).splitlines()[0])
+            reason = self._warm_up(piece, args)
+            if reason:
+                return None, reason
+            try:
+                graph, outs = self._capture(piece, static)
+            except Exception as e:  # noqa: BLE001 - the piece stays eager, with the reason
+                return None, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}"
         end.record()
         torch.cuda.synchronize()
         self.capture_seconds += start.elapsed_time(end) / 1e3
@@ -124,4 +121,40 @@ class CudaGraphBackend:
 
         replay.graph = graph
         return replay, None
+
+    def _capture(self, piece, static):
+        """Record the piece into the shared pool; nothing runs, so nothing is written."""
+        graph, rng = torch.cuda.CUDAGraph(), RngSnapshot()
+        try:
+            with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
+                outs = piece.module(*static)
+        except BaseException:
+            torch.cuda.synchronize()
+            rng.restore()   # a capture cut short leaves the generators as they were
+            raise
+        return graph, outs
+
+    def _warm_up(self, piece, args) -> Optional[str]:
+        """Run the piece once eagerly on a side stream with every generator watched, then put
+        back the generators and everything it writes. Returns why it may not be captured."""
+        written = [a for a, w in zip(args, piece.mutated) if w and isinstance(a, torch.Tensor)]
+        written += mutated_attributes(piece.module)  # module state the warm-up must not advance
+        state, rng = TensorSnapshot(written), RngSnapshot()
+        start = time.perf_counter()
+        self.warmups += 1
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.no_grad():
+                piece.module(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - the piece stays eager, with the reason
+            return f"warm-up failed: {type(e).__name__}: {e}"
+        finally:
+            effects = rng.effects()
+            state.restore()
+            rng.restore()
+            self.warmup_seconds += time.perf_counter() - start
+        return effects.host_reason
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import cadence_fx
+from cadence_fx.cudagraphs import CudaGraphBackend
 from cadence_fx.errors import GuardError
 from cadence_fx.models.toy import (CONV_ADAPTER, NOISY_ADAPTER, PROMPT_RETAINED_ADAPTER,
                                    HostRandomToy, NoisySourceToy, PromptRetainedToy)
@@ -57,6 +58,7 @@ def test_stream_replays_every_call_bit_exact():
     assert c.replays == len(xs)                    # one capturable piece per class, every call
     assert c.traces == 4                          # K = 3 extents x widths actually seen: (24,8) (32,8) (40,8) (40,10)
     assert compiled.backend.captured == c.traces
+    assert compiled.backend.warmups == 0          # each class's probe ran its kernels already
     assert len(addresses) == 1 and len(stock_addresses) > 1
     again, _, _ = _stream(compiled, prompt_state, xs)   # steady state: all replays, no new captures
     assert _equal(stock, again) and compiled.backend.captured == 4 and c.fallbacks == 0
@@ -160,6 +162,36 @@ def test_capture_failure_falls_back_with_the_reason(monkeypatch):
     assert _equal(stock, ours) and len(addresses) == 1
     assert compiled.counters.replays == 0
     assert any("capture failed" in r for r in compiled.counters.reasons)
+
+
+@pytest.mark.parametrize("warm_up", [False, True])
+def test_a_capture_that_fails_once_is_warmed_up_and_captured_again(monkeypatch, warm_up):
+    """A capture failing for another reason than memory (a library setting itself up lazily) is
+    retried once after an eager warm-up that leaves no trace; with ``warm_up=True`` every piece
+    warms up first and a failure is final."""
+    model, prompt_state, xs = _toy()
+    stock, _, _ = _stream(model, prompt_state, xs)
+    real_graph, captures = torch.cuda.graph, []
+
+    class FailsOnce(real_graph):
+        def __enter__(self):
+            captures.append(1)
+            if len(captures) == 1:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return super().__enter__()
+
+    monkeypatch.setattr(torch.cuda, "graph", FailsOnce)
+    compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER,
+                                  backend=CudaGraphBackend(warm_up=warm_up))
+    ours, addresses, _ = _stream(compiled, prompt_state, xs)
+    assert _equal(stock, ours) and len(addresses) == 1
+    b, c = compiled.backend, compiled.counters
+    if warm_up:
+        assert b.warmups == len(compiled.classes) and b.captured == len(compiled.classes) - 1
+        assert sum("capture failed: RuntimeError" in r for r in c.reasons) == 1
+    else:
+        assert b.warmups == 1 and b.captured == len(compiled.classes) == len(captures) - 1
+        assert c.fallbacks == 0 and c.replays == len(xs)
 
 
 def test_out_of_memory_in_one_capture_leaves_the_other_classes_replaying(monkeypatch):
