@@ -68,11 +68,14 @@ fi
 if [[ $STEP == cold ]]; then
   # the cold compile of the CFM catalog in fresh processes, COLD_RUNS times; with COLD_BASELINE (a
   # folder holding another build's cadence_fx package) alternating with that build, on one host
+  # (BENCH_ARGS=--whole: the whole catalog, flow and HiFT; COLD_NAME names the files)
+  N=${COLD_NAME:-cold}
   for ((k = 0; k < ${COLD_RUNS:-1}; k++)); do
-    python3 bench/cold_compile.py --out "$OUT/cold-$k.json" > "$OUT/cold-$k.log" 2>&1; tail -3 "$OUT/cold-$k.log"
+    python3 bench/cold_compile.py --out "$OUT/$N-$k.json" ${BENCH_ARGS//+/ } > "$OUT/$N-$k.log" 2>&1
+    tail -3 "$OUT/$N-$k.log"
     if [[ -n ${COLD_BASELINE:-} ]]; then
-      PYTHONPATH=$COLD_BASELINE:$PYTHONPATH python3 bench/cold_compile.py \
-        --out "$OUT/cold-baseline-$k.json" > "$OUT/cold-baseline-$k.log" 2>&1; tail -3 "$OUT/cold-baseline-$k.log"
+      PYTHONPATH=$COLD_BASELINE:$PYTHONPATH python3 bench/cold_compile.py --out "$OUT/$N-baseline-$k.json" \
+        ${BENCH_ARGS//+/ } > "$OUT/$N-baseline-$k.log" 2>&1; tail -3 "$OUT/$N-baseline-$k.log"
     fi
   done
 fi
