@@ -79,7 +79,7 @@ class CudaGraphBackend:
             graph, outs = self._capture(piece, static)
         except torch.OutOfMemoryError as e:
             return None, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}"
-        except Exception as e:  # noqa: BLE001 - warmed up first, the piece may capture
+        except Exception as e:  # noqa: BLE001 - warm up, then capture once more
             if self.warm_up:
                 return None, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}"
             log.info("%s: capture failed (%s: %s); warming up and capturing again",

@@ -1,10 +1,9 @@
 """Small helpers over aten-level FX graphs shared by the passes."""
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import List, Optional, Tuple
-
-import contextlib
 
 import torch
 from torch.fx import Graph, GraphModule, Node

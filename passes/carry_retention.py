@@ -235,7 +235,8 @@ _ON_META = {aten.cat.default, aten.select.int, aten.slice.Tensor, aten.chunk.def
 
 
 def _on_meta(op, args, kwargs, mode):
-    device = next(t.fake_device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, FakeTensor))
+    device = next(t.fake_device for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, FakeTensor))
     with in_kernel_invocation_manager(mode), torch._C.DisableTorchFunction():
         out = op(*args, **kwargs)
     return pytree.tree_map_only(torch.Tensor, lambda t: FakeTensor(mode, t, device), out)
