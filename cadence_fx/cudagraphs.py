@@ -78,19 +78,18 @@ class CudaGraphBackend:
         try:
             graph, outs = self._capture(piece, static)
         except torch.OutOfMemoryError as e:
-            return None, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}"
+            return None, _capture_failed(e)
         except Exception as e:  # noqa: BLE001 - warm up, then capture once more
             if self.warm_up:
-                return None, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}"
-            log.info("%s: capture failed (%s: %s); warming up and capturing again",
-                     piece.piece_name, type(e).__name__, str(e).splitlines()[0])
+                return None, _capture_failed(e)
+            log.info("%s: %s; warming up and capturing again", piece.piece_name, _capture_failed(e))
             reason = self._warm_up(piece, args)
             if reason:
                 return None, reason
             try:
                 graph, outs = self._capture(piece, static)
             except Exception as e:  # noqa: BLE001 - the piece stays eager, with the reason
-                return None, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}"
+                return None, _capture_failed(e)
         end.record()
         torch.cuda.synchronize()
         self.capture_seconds += start.elapsed_time(end) / 1e3
@@ -158,3 +157,6 @@ class CudaGraphBackend:
             self.warmup_seconds += time.perf_counter() - start
         return effects.host_reason
 
+
+def _capture_failed(e: BaseException) -> str:
+    return f"capture failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"

@@ -46,10 +46,14 @@ def code_deferred():
     return _use_lazy_graph_module(True) if _use_lazy_graph_module else contextlib.nullcontext()
 
 
-def generate_code(gm: torch.nn.Module) -> None:
-    """Generate the code of every GraphModule in ``gm`` (itself included) still deferring it."""
+def generate_code(gm: GraphModule) -> None:
+    """Recompile ``gm`` after its graph changed, and generate the code of every GraphModule in it
+    (itself included) still deferring it."""
+    gm.recompile()
+    if _LazyGraphModule is None:
+        return
     for m in gm.modules():
-        if _LazyGraphModule is not None and isinstance(m, _LazyGraphModule):
+        if isinstance(m, _LazyGraphModule):
             m.real_recompile()
 
 

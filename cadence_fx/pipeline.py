@@ -67,7 +67,6 @@ def run_pipeline(gm: GraphModule, ctx: PassContext, pipeline) -> GraphModule:
             gm = result.graph_module
             gm.graph.lint()
             if k == len(pipeline) - 1:
-                gm.recompile()
                 generate_code(gm)
         except CadenceError:
             raise
@@ -80,6 +79,5 @@ def run_pipeline(gm: GraphModule, ctx: PassContext, pipeline) -> GraphModule:
         log.debug("%s: modified=%s nodes %d -> %d in %.3fs", name, result.modified, before,
                   len(gm.graph.nodes), seconds)
     if not pipeline:
-        gm.recompile()
         generate_code(gm)
     return gm
