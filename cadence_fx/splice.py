@@ -30,30 +30,19 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental import proxy_tensor as pt
-from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from .effects import RngSnapshot
+from .signature import global_signature   # grad, inference mode, autocast, deterministic kernels
+from .splice_plans import NO_VAL, geometry as _geometry, plans as _plans, storage_key as _skey
 
 __all__ = ["RepeatedCalls"]
 
 log = logging.getLogger(__name__)
 
 _IMMUTABLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format)
-_VIEW_BY_OFFSET = {torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
-                   torch.ops.aten.set_.source_Storage_storage_offset}
-
 
 class _Refused(Exception):
     pass
-
-
-def _skey(t: torch.Tensor):
-    return StorageWeakRef(t.untyped_storage())
-
-
-def _geometry(t: torch.Tensor) -> tuple:
-    return tuple(t.shape), tuple(t.stride()), t.storage_offset()
 
 
 def _module_state(module: torch.nn.Module) -> list:
@@ -312,7 +301,7 @@ class RepeatedCalls:
                 made.append(n)
                 continue
             new = graph.node_copy(n, lambda m: mapping[m])
-            if vals[k] is not _NO_VAL:
+            if vals[k] is not NO_VAL:
                 new.meta["val"] = vals[k]
             mapping[n] = new
             made.append(new)
@@ -334,7 +323,6 @@ class RepeatedCalls:
 
 
 _MISSING = object()
-_NO_VAL = object()
 
 
 def _slot(tracer, t):
@@ -356,119 +344,4 @@ def _leaf_key(leaves) -> tuple:
             key.append((type(x), x))
         else:
             raise _Refused(f"argument {i} of type {type(x).__name__} is not a tensor or a constant")
-    from .tracing import global_signature   # grad, inference mode, autocast, deterministic kernels
     return tuple(key) + global_signature()
-
-
-class _Plans:
-    """How to rebuild every node's fake value for a later call: a view of an argument's or trace
-    input's storage is rebased onto the new call's tensor; a storage the call created is made
-    afresh, once, with its full size."""
-
-    def __init__(self, steps, arg_offsets, pinned, pinned_by, fake_mode):
-        self.steps = steps
-        self.arg_offsets = arg_offsets  # argument index -> storage offset at the first call
-        self.pinned = pinned            # arguments a copy needs at their first-call offset
-        self.pinned_by = pinned_by      # why ("by explicit offset", "through a trace input too")
-        self.fake_mode = fake_mode
-
-    def build(self, leaves) -> list:
-        # Straight on the meta tensors under the fakes, then wrapped as fakes: what fake mode does
-        # for a view or an empty op, without a trip through its dispatch (most of a copy's cost).
-        mode = self.fake_mode
-        metas: List[Any] = []
-        made: Dict[int, torch.Tensor] = {}
-        with pt.disable_proxy_modes_tracing(), torch._C.DisableTorchFunction(), \
-                in_kernel_invocation_manager(mode):
-            for step in self.steps:
-                if step is None or step[0] == "value":
-                    metas.append(step)
-                    continue
-                _, spec, parts = step
-                tensors = []
-                for how, src, geometry, dtype, device, nbytes in parts:
-                    size, stride, offset = geometry
-                    if how == "fresh":
-                        base = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device="meta")
-                        made[src] = base
-                        view = base.as_strided(size, stride, offset)
-                    elif how == "made":
-                        view = made[src].as_strided(size, stride, offset)
-                    else:  # "arg" / "input": rebased on the tensor's own offset
-                        t = leaves[src[0]] if how == "arg" else src[0]
-                        view = t.as_strided(size, stride, t.storage_offset() + offset)
-                    tensors.append((view, device))
-                metas.append((spec, tensors))
-            out = []
-            for m in metas:
-                if m is None:
-                    out.append(_NO_VAL)
-                elif m[0] == "value":
-                    out.append(m[2])
-                else:
-                    spec, tensors = m
-                    out.append(pytree.tree_unflatten([FakeTensor(mode, v, d) for v, d in tensors],
-                                                     spec))
-        return out
-
-
-def _plans(nodes, leaves, ext, refuse) -> _Plans:
-    # storage -> (kind, where, offset of the source at the first call, dtype)
-    sources: Dict[Any, tuple] = {}
-    arg_offsets = {}
-    fake_mode = None
-    for i, x in enumerate(leaves):
-        if isinstance(x, torch.Tensor):
-            arg_offsets[i] = x.storage_offset()
-            sources.setdefault(_skey(x), ("arg", (i,), x.storage_offset(), x.dtype))
-            fake_mode = fake_mode or getattr(x, "fake_mode", None)
-    for a, ref in ext.items():
-        if ref[0] == "input":
-            t = ref[1]
-            sources.setdefault(_skey(t), ("input", (t,), t.storage_offset(), t.dtype))
-            fake_mode = fake_mode or getattr(t, "fake_mode", None)
-    # a view placed by explicit offset pins every argument; an argument whose storage the call
-    # also reads through a trace input pins that argument (its views could come from either)
-    if any(n.target in _VIEW_BY_OFFSET for n in nodes):
-        pinned, pinned_by = list(arg_offsets), "by explicit offset"
-    else:
-        ext_inputs = {_skey(ref[1]) for ref in ext.values() if ref[0] == "input"}
-        pinned = [i for i in arg_offsets if _skey(leaves[i]) in ext_inputs]
-        pinned_by = "through a trace input too"
-    steps = []
-    created = 0
-    for n in nodes:
-        if n.op == "get_attr" or "val" not in n.meta:
-            steps.append(None)
-            continue
-        val = n.meta["val"]
-        flat, spec = pytree.tree_flatten(val)
-        if not any(isinstance(v, torch.Tensor) for v in flat):
-            steps.append(("value", spec, val))
-            continue
-        parts = []
-        for v in flat:
-            if not isinstance(v, torch.Tensor):
-                raise refuse(f"node {n.name} mixes tensors and other values in its result")
-            fake_mode = fake_mode or getattr(v, "fake_mode", None)
-            s = _skey(v)
-            geometry = _geometry(v)
-            src = sources.get(s)
-            if src is None:
-                sources[s] = ("made", created, 0, v.dtype)
-                parts.append(("fresh", created, geometry, v.dtype, v.device,
-                              v.untyped_storage().nbytes()))
-                created += 1
-                continue
-            how, where, base_offset, dtype = src
-            if dtype != v.dtype:
-                raise refuse(f"node {n.name} views a storage as another dtype")
-            if how == "made":
-                parts.append(("made", where, geometry, v.dtype, v.device, 0))
-            else:
-                size, stride, offset = geometry
-                parts.append((how, where, (size, stride, offset - base_offset), v.dtype, v.device, 0))
-        steps.append(("tensors", spec, parts))
-    if fake_mode is None:
-        raise refuse("no fake tensor among the call's values")
-    return _Plans(steps, arg_offsets, pinned, pinned_by, fake_mode)

@@ -29,6 +29,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .effects import TensorSnapshot
 from .errors import TraceError
 from .fx_utils import code_deferred
+from .signature import global_signature, tensor_signature  # noqa: F401 (re-exported)
 from .splice import RepeatedCalls
 
 __all__ = ["InputSpec", "TracedStep", "bind_arguments", "leaves_with_paths", "trace_step",
@@ -114,23 +115,6 @@ def bind_arguments(fn, args: Sequence, kwargs: Dict[str, Any]) -> Dict[str, Any]
         elif p.kind is inspect.Parameter.VAR_KEYWORD and name in out:
             out.update(out.pop(name))  # **kwargs: each keyword is an argument of its own
     return out
-
-
-def tensor_signature(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.storage_offset())
-
-
-def global_signature() -> tuple:
-    """Global state a trace bakes in: grad/inference mode, autocast, deterministic kernels."""
-    autocast = []
-    for dev in ("cpu", "cuda"):
-        try:
-            on = torch.is_autocast_enabled(dev)
-            autocast.append((dev, on, torch.get_autocast_dtype(dev) if on else None))
-        except (TypeError, RuntimeError):  # pragma: no cover - device type unknown to this build
-            pass
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), tuple(autocast),
-            torch.are_deterministic_algorithms_enabled())
 
 
 class _StepModule(torch.nn.Module):

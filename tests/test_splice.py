@@ -164,11 +164,11 @@ def test_bad_repeated_declarations_name_the_fix(decl, says):
 def test_a_copy_that_cannot_be_built_leaves_the_full_trace(monkeypatch):
     """Fake-tensor internals differ between torch releases: if a copy's values cannot be rebuilt,
     that call is traced in full instead, with the reason."""
-    from cadence_fx import splice
+    from cadence_fx import splice_plans
 
     def broken(self, leaves):
         raise RuntimeError("no such internal")
-    monkeypatch.setattr(splice._Plans, "build", broken)
+    monkeypatch.setattr(splice_plans.Plans, "build", broken)
     model = Outer()
     x, cache = torch.randn(1, 4, 8), {"att": torch.randn(1, 6, 8)}
     named = bind_arguments(model.forward, (x, cache), {})

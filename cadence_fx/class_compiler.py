@@ -1,0 +1,216 @@
+"""The class compiler: what happens the first time a call of a new signature class arrives.
+
+Trace the step at the class's exact shapes (or copy a shared trace), run the probationary stock
+call that classifies its effects (§3.4 (iii)), bind the regions to the graph, run the pass
+pipeline, and record the class entry the call path runs from then on. A class that cannot be
+traced, fails a pass or draws host randomness is *rejected*: its calls run the stock step with the
+reason (``strict`` raises instead).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .context import PassContext, RegionBinding
+from .contract import Adapter
+from .effects import RngSnapshot, TensorSnapshot
+from .errors import ContractError, TraceError
+from .fx_utils import graph_module, mutated_attributes, written_bases
+from .pipeline import PassFailed, run_pipeline
+from .replay import EagerBackend
+from .tracing import InputSpec, TracedStep, leaves_with_paths, trace_step
+
+__all__ = ["ClassEntry", "compile_class"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ClassEntry:
+    key: Tuple
+    gm: torch.fx.GraphModule
+    inputs: List[InputSpec]
+    traced: TracedStep
+    records: Dict[str, list]
+    out_regions: Dict[str, int]      # region -> graph output index of its new state
+    writes: int
+    retentions: int
+
+
+def compile_class(cs, key, named) -> Optional[ClassEntry]:
+    """Compile the class ``key`` of the compiled step ``cs`` (a ``runtime.CompiledStep``, whose
+    stores it fills) from the call ``named``; None when it is rejected (the
+    reason is in ``cs._rejected``). Released envelopes get their storage back for the whole of it
+    and are released again afterwards, with any this class newly replaced."""
+    with cs.envelopes.held_back() as replaced:
+        return _compile(cs, key, named, replaced)
+
+
+def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
+    # stock code may register buffers lazily, after ``compile`` (Mimi's codebook cache)
+    cs._params.update(cs.module.named_parameters())
+    cs._buffers.update(cs.module.named_buffers())
+    traced = _trace(cs, key, named)
+    if traced is None:
+        return None
+    probe_start = time.perf_counter()
+    reason = probe_effects(cs, traced, named)
+    probe_s = time.perf_counter() - probe_start
+    if reason is not None:
+        log.warning("class %s rejected: %s", key[0], reason)
+        cs._rejected[key] = reason
+        return None
+    if cs.backend is None:
+        cs.backend = choose_backend(cs, named)
+    gm = traced.gm
+    inputs = list(traced.inputs)
+    bindings = _bind_regions(cs, traced)
+    written_before = {spec.name for spec in written_inputs(gm, inputs) if spec.kind == "buffer"}
+    ctx = PassContext(adapter=cs.adapter, class_key=key[0], inputs=inputs, regions=bindings,
+                      module_buffers=cs._buffers, verify=cs.verify, auditor=cs.auditor,
+                      backend=cs.backend, counters=cs.counters, strict=cs.strict,
+                      constant_ids=cs._constant_ids,
+                      alias_state=cs.options.alias_state and not cs.options.state_rule)
+    ctx.records["probe_s"] = probe_s
+    try:
+        gm = run_pipeline(gm, ctx, cs._pipeline)
+    except PassFailed as e:
+        if cs.strict:
+            raise
+        log.warning("class %s runs the stock step: %s", key[0], e)
+        cs._rejected[key] = str(e)
+        return None
+    # Buffers the rewritten step still writes get a private copy: the user's module is never
+    # written by the compiled path (envelopes replaced by carries are gone by now).
+    if cs.release_envelopes:
+        replaced |= written_before - {spec.name for spec in ctx.inputs if spec.kind == "buffer"}
+    unsplit = ctx.records.get("graph", gm)
+    for spec in written_inputs(unsplit, ctx.inputs):
+        if spec.kind == "buffer" and spec.name not in cs._private:
+            cs._private[spec.name] = cs._buffers[spec.name].detach().clone()
+    # eq. (6), this class: with the regions aliased, only the other tensor arguments are staged
+    ctx.records["staging_predicted"] = sum(
+        n.meta["val"].numel() * n.meta["val"].element_size()
+        for n, spec in zip([n for n in gm.graph.nodes if n.op == "placeholder"], ctx.inputs)
+        if spec.kind == "arg" and isinstance(n.meta.get("val"), torch.Tensor))
+    writes = [w for w in ctx.records["rewrites"] if w["kind"] in ("retention", "append", "materialize")]
+    entry = ClassEntry(
+        key=key, gm=gm, inputs=ctx.inputs, traced=traced, records=ctx.records,
+        out_regions={b.region.name: b.out_index for b in bindings if b.out_index is not None},
+        writes=len(writes), retentions=sum(w["kind"] == "retention" for w in writes))
+    cs.classes[key] = entry
+    log.info("class %s compiled: %d nodes traced in %.2fs", key[0], len(traced.gm.graph.nodes),
+             traced.seconds)
+    return entry
+
+
+def _trace(cs, key, named) -> Optional[TracedStep]:
+    """The class's aten graph: a copy of a shared trace, or a fresh make_fx trace."""
+    cache_key = (id(cs.module), getattr(cs._fn, "__func__", cs._fn), key)
+    cached = None if cs.trace_cache is None else cs.trace_cache.get(cache_key)
+    if cached is not None:
+        return copy_traced(cached)
+    rng = RngSnapshot()  # tracing runs the step's Python code: keep its draws invisible
+    try:
+        traced = trace_step(cs.module, cs._fn, named, tracing_mode=cs.tracing_mode,
+                            repeated=cs._repeated)
+    except TraceError as e:
+        if cs.strict:
+            raise
+        log.warning("class %s runs the stock step: %s", key[0], e)
+        cs._rejected[key] = f"could not be traced: {e}"
+        return None
+    finally:
+        rng.restore()
+    cs.counters.traces += 1
+    cs.counters.copied_calls += traced.copied_calls
+    for method, why in traced.refused.items():
+        log.info("class %s: %s traced at every call: %s", key[0], method, why)
+    if cs.trace_cache is not None:
+        cs.trace_cache[cache_key] = copy_traced(traced)
+    return traced
+
+
+def _bind_regions(cs, traced: TracedStep) -> List[RegionBinding]:
+    """Each fixed-address region's input placeholder, its new state among the outputs, its carry."""
+    placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    out_pos = {p: k for k, p in enumerate(traced.out_paths[i] for i in traced.out_tensor_index)}
+    bindings = []
+    for r in cs.adapter.regions:
+        ph = next((n for n, s in zip(placeholders, traced.inputs)
+                   if s.kind == "arg" and s.name == r.input), None)
+        if r.output not in out_pos and r.fixed_address:
+            raise ContractError(f"region {r.name!r}: output path {r.output!r} is not a tensor "
+                                f"result of the step (results: {traced.out_paths}); fix `output`")
+        if r.fixed_address and cs.options.state_rule:
+            bindings.append(RegionBinding(r, ph, out_pos.get(r.output), cs.carries[r.name]))
+    return bindings
+
+
+def probe_effects(cs, traced: TracedStep, named) -> Optional[str]:
+    """The probationary eager call (§3.4 (iii)): run the stock step once, watching every
+    generator, then put back generators and everything the step writes."""
+    leaves = dict(leaves_with_paths(named)[0])
+    written = [cs._buffers[s.name] if s.kind == "buffer" else leaves[s.name]
+               for s in written_inputs(traced.gm, traced.inputs) if s.kind in ("buffer", "arg")]
+    written += [c.tensor for c in cs.carries.values()]
+    written += mutated_attributes(traced.gm)  # module state in plain tensor attributes
+    state, rng = TensorSnapshot(written), RngSnapshot()
+    try:
+        with torch.no_grad():
+            cs._fn(**named)
+    finally:
+        effects = rng.effects()
+        state.restore()
+        rng.restore()
+    return effects.host_reason
+
+
+def choose_backend(cs, named):
+    """CUDA graphs when the call or the weights are on CUDA and graphs are on, else guarded eager."""
+    on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda
+                  for _, v in leaves_with_paths(named)[0])
+    on_cuda = on_cuda or any(p.is_cuda for p in cs._params.values())
+    if cs.graphs and on_cuda:
+        from .cudagraphs import CudaGraphBackend
+        return CudaGraphBackend(copy_outputs=cs.copy_outputs)
+    return EagerBackend()
+
+
+def repeated_targets(adapter: Adapter, module: torch.nn.Module) -> List[Tuple[torch.nn.Module, str]]:
+    """The ``(submodule, method)`` pairs an adapter's ``repeated`` declarations name."""
+    targets = []
+    for decl in adapter.repeated:
+        owner, _, method = decl.rpartition(".")
+        found = [sub for path, sub in module.named_modules() if path.rsplit(".", 1)[-1] == owner]
+        if not found:
+            raise ContractError(f"adapter {adapter.name!r}: repeated call {decl!r} names no "
+                                f"submodule called {owner!r} in {type(module).__name__}; fix "
+                                f"`repeated` or leave it out")
+        for sub in found:
+            if not callable(getattr(sub, method, None)):
+                raise ContractError(f"adapter {adapter.name!r}: repeated call {decl!r}: "
+                                    f"{type(sub).__name__} has no method {method!r}; fix `repeated`")
+            targets.append((sub, method))
+    return targets
+
+
+def copy_traced(traced: TracedStep) -> TracedStep:
+    """A traced step the passes may rewrite without touching ``traced``: a fresh graph (nodes
+    and their meta dicts copied; fake values and module attributes shared, never mutated)."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(traced.gm.graph, {})
+    graph.output(out)
+    gm = graph_module(traced.gm, graph)
+    return dataclasses.replace(traced, gm=gm, inputs=list(traced.inputs), seconds=0.0)
+
+
+def written_inputs(gm: torch.fx.GraphModule, inputs: List[InputSpec]) -> List[InputSpec]:
+    """The inputs (by spec) whose storage the graph writes in place."""
+    written = set(written_bases(gm.graph))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [spec for n, spec in zip(placeholders, inputs) if n in written]

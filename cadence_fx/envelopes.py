@@ -1,0 +1,81 @@
+"""Envelope memory: the stock buffers the carries replaced, freed while the compiled path runs.
+
+With ``release_envelopes=True`` a compiled step frees the storage of the module's stock envelope
+buffers (Token2Wav's (16, 16, 2, 8, 1000, 128) ``att_cache_buffer``) once every class it compiled
+reads the carries instead: the memory the state rule saves. The tensors keep their shape, so later
+classes still trace; stock code reading them before they are restored fails loudly. The storage
+comes back, zero-filled as the stock module starts it, while a class compiles (the probationary
+call runs stock code, the carry pass reads the buffers it replaces) and for good when the stock
+step runs as a fallback.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+from typing import Dict, Iterable, Iterator, Set
+
+import torch
+
+from .counters import Counters
+
+__all__ = ["Envelopes"]
+
+log = logging.getLogger(__name__)
+
+
+class Envelopes:
+    """Which envelope buffers are released, and their bytes. ``params``/``buffers`` are the
+    compiled step's own name -> tensor dicts (they grow when stock code registers buffers late)."""
+
+    def __init__(self, params: Dict[str, torch.Tensor], buffers: Dict[str, torch.Tensor],
+                 counters: Counters):
+        self._params = params
+        self._buffers = buffers
+        self._counters = counters
+        self.released: Dict[str, int] = {}   # buffer name -> bytes of its freed storage
+
+    def release(self, names: Iterable[str]) -> None:
+        """Free the storage of these buffers unless other tensors share it (a view, or storage a
+        parameter or another buffer uses: freeing it would free them)."""
+        shared = collections.Counter(t.untyped_storage().data_ptr() for t in
+                                     [*self._params.values(), *self._buffers.values()]
+                                     if t.untyped_storage().nbytes())
+        for name in names:
+            buf = self._buffers[name]
+            storage = buf.untyped_storage()
+            whole = (buf.storage_offset() == 0 and shared[storage.data_ptr()] == 1
+                     and storage.nbytes() == buf.numel() * buf.element_size())
+            if not whole:
+                log.info("stock envelope %s shares its storage; it is kept", name)
+                continue
+            if storage.nbytes() and name not in self.released:
+                self.released[name] = storage.nbytes()
+                storage.resize_(0)
+                log.debug("released stock envelope %s (%d bytes)", name, self.released[name])
+        self._counters.released_bytes = sum(self.released.values())
+
+    def restore(self, keep: bool) -> None:
+        """Give every released envelope its storage back, zero-filled (the stock step overwrites
+        the rows it returns before reading them). ``keep``: for good, counted as restored bytes."""
+        for name, nbytes in list(self.released.items()):
+            buf = self._buffers[name]
+            buf.untyped_storage().resize_(nbytes)
+            with torch.no_grad():
+                buf.untyped_storage().fill_(0)
+            del self.released[name]
+            if keep:
+                self._counters.restored_bytes += nbytes
+        self._counters.released_bytes = sum(self.released.values())
+
+    @contextlib.contextmanager
+    def held_back(self) -> Iterator[Set[str]]:
+        """Restore the released envelopes for the duration of a class compile; afterwards release
+        them again, with the names the caller added to the yielded set (newly replaced ones)."""
+        released = set(self.released)
+        self.restore(keep=False)
+        replaced: Set[str] = set()
+        try:
+            yield replaced
+        finally:
+            self.release(sorted(released | replaced))

@@ -1,0 +1,74 @@
+"""The house rules a reader relies on: no import cycle inside the package, no module past what one
+reader can hold. Walks the source, so it fails when a change breaks either."""
+import ast
+import pathlib
+
+import networkx as nx
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# package name -> directory, as pyproject.toml installs them
+PACKAGES = {"cadence_fx": ROOT / "cadence_fx", "cadence_fx.models": ROOT / "cadence_fx" / "models",
+            "cadence_fx.passes": ROOT / "passes", "cadence_fx.adapters": ROOT / "adapters"}
+MAX_LINES = 420   # "~400 lines" (STYLE.md rule 10), with a little slack for a docstring
+
+
+def _modules():
+    for package, directory in PACKAGES.items():
+        for path in sorted(directory.glob("*.py")):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            yield name, package, path
+
+
+def _imports(name: str, package: str, path: pathlib.Path):
+    """Every cadence_fx module ``path`` imports, at module level or inside a function."""
+    is_package = path.stem == "__init__"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = (name if is_package else package).split(".")
+                base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        for t in targets:
+            if t.startswith("cadence_fx"):
+                yield t
+
+
+def _graph() -> nx.DiGraph:
+    known = {name for name, _, _ in _modules()}
+    g = nx.DiGraph()
+    for name, package, path in _modules():
+        g.add_node(name)
+        for target in _imports(name, package, path):
+            if target in known and target != name:
+                g.add_edge(name, target)
+    return g
+
+
+def test_the_walk_sees_the_package():
+    g = _graph()
+    assert {"cadence_fx.runtime", "cadence_fx.class_compiler", "cadence_fx.passes.carry_retention"} <= set(g)
+    assert g.has_edge("cadence_fx.runtime", "cadence_fx.class_compiler")
+    assert g.has_edge("cadence_fx.tracing", "cadence_fx.splice")
+
+
+def test_no_import_cycle_between_modules():
+    g = _graph()
+    # a package's __init__ importing its own modules is how a package exports; only cycles
+    # between modules count
+    g.remove_nodes_from(list(PACKAGES))
+    cycles = sorted(sorted(c) for c in nx.simple_cycles(g))
+    assert not cycles, f"import cycles: {cycles}"
+
+
+@pytest.mark.parametrize("name,path", [(n, p) for n, _, p in _modules()], ids=lambda v: str(v))
+def test_module_fits_one_reader(name, path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{name} has {lines} lines; split it along the architecture"
