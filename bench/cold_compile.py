@@ -27,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from suite import CFMStream, compile_breakdown  # noqa: E402
+from suite_measure import CFMStream, compile_breakdown  # noqa: E402
 
 import cadence_fx  # noqa: E402
 from cadence_fx import adapters  # noqa: E402

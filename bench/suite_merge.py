@@ -11,6 +11,10 @@ the E of its own process. Per configuration the last listed process that ran it 
 the taken row; E is the first listed process's. Every process's rows stay under
 ``cfm_by_process``. ``whole_chunk`` and ``moshi`` come from the process that has them. ``--status NAME=text``
 records a configuration that no process ran, and why.
+
+Two merged rows may come from different processes, each with its own timings and memory peak;
+``bench/suite_report.py`` compares two configurations with one process's rows (from
+``cfm_by_process``) where a process ran both, and labels the ratio "cross-process" otherwise.
 """
 from __future__ import annotations
 

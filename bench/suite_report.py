@@ -13,7 +13,16 @@ import json
 import os
 import sys
 
+from suite_merge import finished
+
 ORDER = ("E", "S", "R", "Rc", "SRc", "T", "TM", "V", "B")
+# how each part's peak memory was measured (docs/benchmarks.md, "Peak memory")
+PART_MEMORY = {
+    "whole_chunk": "Peak GiB: `max_memory_allocated` over the timed passes, with the peak reset "
+                   "right before them (no `empty_cache`), E and SRc in the same process.",
+    "moshi": "Peak GiB: `max_memory_allocated` over the timed streams, with the peak reset after "
+             "the warm-up stream (no `empty_cache`), all three in `bench/moshi_frame.py`'s process.",
+}
 
 
 def _gib(n):
@@ -52,6 +61,10 @@ def table(result) -> str:
                      f"{_gib(r.get('peak_bytes'))} | {_gib(r.get('reserved_bytes'))} | "
                      f"{_ms(r.get('floor_ms'))} | {exact} | {rf} | {r.get('process', '')} | "
                      f"{r.get('status', '')[:90]} |")
+    lines += ["", "Peak GiB: `torch.cuda.max_memory_allocated` over the configuration's memory pass, "
+                  "with the peak reset right before it (after `gc.collect` and `empty_cache`), in the "
+                  "row's own process (TM's: the subprocess that ran it); reserved GiB: "
+                  "`torch.cuda.memory_reserved` at the end of that pass."]
     if any(isinstance(r, dict) and r.get("process") for r in cfm.values()):
         lines += ["", "Each process measured its own E first; \"vs E\" is against the E of the same "
                       "process (E's p50 per process: " + ", ".join(
@@ -69,6 +82,7 @@ def table(result) -> str:
                 lines.append(f"| {name} | {_ms(r.get('p50_ms'))} | {_ms(r.get('p95_ms'))} | "
                              f"{_gib(r.get('peak_bytes'))} | {r.get('bit_exact_blocks', r.get('bit_exact_frames'))}"
                              f"/{frames} | {r.get('status', '')[:60]} |")
+        lines += ["", PART_MEMORY[part]]
     if e.get("floor_ms"):
         lines += ["", f"E's kernel-time floor: {e['floor_ms']:.1f} ms per chunk."]
     lines += ["", "**Targets**", "", "| target | measured | met |", "| --- | --- | --- |"]
@@ -76,30 +90,61 @@ def table(result) -> str:
     return "\n".join(lines) + "\n"
 
 
+def same_process(result, a, b):
+    """Rows ``a`` and ``b`` of the CFM part measured in one process, and where they come from:
+    ``(row_a, row_b, where)``.
+
+    A merged result (``bench/suite_merge.py``) takes each configuration from its own process, so
+    a ratio of two merged rows can mix processes. Here the merged rows are used when they came
+    from the same process (or the result is one process's, ``where`` is then None); otherwise
+    the rows of one process that finished both (``a``'s process first, then the last listed);
+    and only when no process has both, the merged rows with ``where`` saying "cross-process"."""
+    cfm, by_process = result.get("cfm", {}), result.get("cfm_by_process") or {}
+    ra, rb = cfm.get(a) or {}, cfm.get(b) or {}
+    pa, pb = ra.get("process"), rb.get("process")
+    if pa == pb:
+        return ra, rb, None if pa is None else f"{a} and {b} from {pa}"
+    both = [label for label, rows in by_process.items()
+            if finished(rows.get(a)) and finished(rows.get(b))]
+    if both:
+        label = pa if pa in both else both[-1]
+        return by_process[label][a], by_process[label][b], f"{a} and {b} from {label}"
+    return ra, rb, f"cross-process: {a} from {pa}, {b} from {pb}"
+
+
+def _where(where):
+    return "" if where is None else f" ({where})"
+
+
 def targets(result):
-    """``(target, measured, met)`` for every target the result can speak to."""
+    """``(target, measured, met)`` for every target the result can speak to. A ratio of two
+    configurations uses rows of one process when one has both, and says so; otherwise its
+    measured text says "cross-process" (``same_process``)."""
     cfm, out = result.get("cfm", {}), []
-    g = lambda name, key: (cfm.get(name) or {}).get(key)   # noqa: E731
     src, e, t, b = cfm.get("SRc") or {}, cfm.get("E") or {}, cfm.get("T") or {}, cfm.get("B") or {}
-    exact = src.get("bit_exact_blocks") == src.get("blocks") and src.get("blocks")
     if src.get("p50_ms") and src.get("floor_ms"):
         r = src["p50_ms"] / src["floor_ms"]
         out.append(("SRc p50 <= 1.08x its kernel floor", f"{r:.3f}x ({src['p50_ms']:.1f} / "
                     f"{src['floor_ms']:.1f} ms)", r <= 1.08))
     if src.get("p50_ms") and t.get("p50_ms"):
-        out.append(("SRc p50 <= T p50, SRc bit-exact", f"{src['p50_ms']:.1f} vs {t['p50_ms']:.1f} ms "
-                    f"(T {t.get('bit_exact_blocks')}/{t.get('blocks')} blocks bit-exact)",
-                    bool(exact) and src["p50_ms"] <= t["p50_ms"]))
+        s_row, t_row, where = same_process(result, "SRc", "T")
+        exact = s_row.get("bit_exact_blocks") == s_row.get("blocks") and s_row.get("blocks")
+        out.append(("SRc p50 <= T p50, SRc bit-exact", f"{s_row['p50_ms']:.1f} vs "
+                    f"{t_row['p50_ms']:.1f} ms (T {t_row.get('bit_exact_blocks')}/"
+                    f"{t_row.get('blocks')} blocks bit-exact){_where(where)}",
+                    bool(exact) and s_row["p50_ms"] <= t_row["p50_ms"]))
     if src.get("p50_ms") and b.get("p50_ms"):
-        r = b["p50_ms"] / src["p50_ms"]
-        out.append((">= 1.3x faster than B", f"{r:.2f}x", r >= 1.3))
+        s_row, b_row, where = same_process(result, "SRc", "B")
+        r = b_row["p50_ms"] / s_row["p50_ms"]
+        out.append((">= 1.3x faster than B", f"{r:.2f}x{_where(where)}", r >= 1.3))
     if src.get("p50_ms") and src.get("E_p50_ms_same_process", e.get("p50_ms")):
         r = src.get("E_p50_ms_same_process", e.get("p50_ms")) / src["p50_ms"]
         out.append((">= 2.8x faster than E (same process)", f"{r:.2f}x", r >= 2.8))
+    s_row, e_row, where = same_process(result, "SRc", "E")
     for key, name in (("peak_bytes", "max_memory_allocated"), ("reserved_bytes", "memory_reserved")):
-        if src.get(key) and e.get(key):
-            r = src[key] / e[key]
-            out.append((f"SRc {name} <= 0.60x E", f"{r:.3f}x", r <= 0.60))
+        if s_row.get(key) and e_row.get(key):
+            r = s_row[key] / e_row[key]
+            out.append((f"SRc {name} <= 0.60x E", f"{r:.3f}x{_where(where)}", r <= 0.60))
     cold = src.get("warm_pass_s")
     if cold:
         out.append(("cold compile of the CFM classes (trace + passes + capture) <= 30 s",

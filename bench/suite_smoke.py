@@ -2,13 +2,13 @@
 
     python bench/suite_smoke.py [suite|sessions]
 
-Runs ``bench/suite.py``'s CFM part (E, SRc, S, R, Rc) at DiT depth 1 over 4 chunks on the CPU,
-with the CUDA timing and memory calls stubbed (events by ``perf_counter``, memory 0) and
-autocast off. Latencies and memory here mean nothing; what it checks is that every configuration
-runs through the harness and that the harness's comparison sees them bit-exact.
-V, B, T and TM need CUDA graphs or a GPU compiler and are not run. ``sessions`` runs
-``bench/sessions.py`` (stock vs session pools, N = 1, 2, depth 1, 4 rounds) the same way and checks
-that session 0 comes out bit-exact against itself alone on both paths."""
+Runs ``bench/suite.py``'s CFM part (``suite_cfm.cfm_part``: E, SRc, S, R, Rc) at DiT depth 1
+over 4 chunks on the CPU, with the CUDA timing and memory calls stubbed (events by
+``perf_counter``, memory 0) and autocast off. Latencies and memory here mean nothing; what it
+checks is that every configuration runs through the harness and that the harness's comparison
+sees them bit-exact. V, B, T and TM need CUDA graphs or a GPU compiler and are not run.
+``sessions`` runs ``bench/sessions.py`` (stock vs session pools, N = 1, 2, depth 1, 4 rounds) the
+same way and checks that session 0 comes out bit-exact against itself alone on both paths."""
 import sys, time, types
 import torch
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
@@ -49,12 +49,13 @@ if sys.argv[1:] == ["sessions"]:
     sys.exit(1 if bad or len(rows) != 4 else 0)
 
 import suite  # noqa: E402 - after the stubs
-suite.BLOCKS = 2
+import suite_cfm  # noqa: E402
 
-args = types.SimpleNamespace(depth=1, chunks=4, t_mode="reduce-overhead", tm_timeout=5,
-                             t_target="step")
+suite.log_to_stderr()
+args = types.SimpleNamespace(depth=1, chunks=4, blocks=2, no_floor="", t_mode="reduce-overhead",
+                             tm_timeout=5, t_target="step")
 res = {}
-out = suite.cfm_part(args, ["E", "SRc", "S", "R", "Rc"], res.update, device="cpu")
+out = suite_cfm.cfm_part(args, ["E", "SRc", "S", "R", "Rc"], res.update, device="cpu")
 for k, v in out.items():
     if isinstance(v, dict) and "status" in v:
         print(k, {x: v.get(x) for x in ("p50_ms", "bit_exact_blocks", "blocks", "replays", "fallbacks", "status", "classes", "traces")})
