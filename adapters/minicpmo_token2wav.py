@@ -83,6 +83,8 @@ TOKEN2WAV_HIFT = dataclasses.replace(
 TOKEN2WAV_FLOW = dataclasses.replace(
     TOKEN2WAV, name="minicpmo-token2wav-flow", regions=(ESTIMATOR_ATT, ESTIMATOR_CNN, CONFORMER_ATT),
     call_frames=("chunk_tokens",), call_input="token", call_dim=1, admission="chunk_tokens",
+    # a server primes each new speaker with the flow's own cache-free prompt pass
+    priming=("flow.setup_cache",),
     description="MiniCPM-o 4.5 Token2Wav flow: conformer encoder + CFM decoder")
 
 ADAPTERS = {"minicpmo-token2wav": TOKEN2WAV, "minicpmo-token2wav-hift": TOKEN2WAV_HIFT,

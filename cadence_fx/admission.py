@@ -23,7 +23,7 @@ from .contract import Adapter, Region
 from .counters import Counters
 from .errors import ContractError, GuardError
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "check_paths"]
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +60,21 @@ class Admission:
 
     # -- admission ------------------------------------------------------------------------
     def reason(self, by_path, carries: Dict[str, Carry]) -> Optional[str]:
-        """Why this call cannot run a compiled class, or None when it is admitted."""
+        """Why this call cannot run a compiled class, or None when it is admitted. A call without
+        any region state is the cache-free priming pass: a class of its own, keyed by its shapes."""
         if self.excluded:
             return self.excluded
+        missing = [r.name for r in self.adapter.regions
+                   if not isinstance(by_path.get(r.input), torch.Tensor)]
+        if missing and len(missing) < len(self.adapter.regions):
+            self._check_declared_keys(by_path)
+            return (f"region(s) {missing} have no input state while the others have: a call "
+                    "primes every region (the priming pass) or none")
+        if missing:
+            return None
         extents = []
         for r in self.adapter.regions:
-            t = by_path.get(r.input)
-            if not isinstance(t, torch.Tensor):
-                return f"region {r.name!r} has no input state (priming pass): eager by construction"
+            t = by_path[r.input]
             self._check_declared_shape(r, t, carries.get(r.name))
             e = t.shape[r.dim]
             if e not in self._extents[r.name]:
@@ -88,6 +95,21 @@ class Admission:
                 return (f"call width {w} is neither a declared call width "
                         f"{list(ad.call_widths())} nor admitted ({bound})")
         return None
+
+    def _check_declared_keys(self, by_path) -> None:
+        """A region path into a container the call has, naming a key it does not have, is a
+        declaration that does not fit the step (it would fall back on every call)."""
+        for r in self.adapter.regions:
+            parent = r.input.rpartition(".")[0]
+            if not parent or r.input in by_path:
+                continue
+            keys = sorted(p[len(parent) + 1:] for p in by_path if p.startswith(parent + "."))
+            if keys:
+                present = [q.name for q in self.adapter.regions if q.input in by_path]
+                raise ContractError(
+                    f"region {r.name!r} of adapter {self.adapter.name!r} reads {r.input!r}, but "
+                    f"the step's {parent!r} holds {keys}; compile with adapter.select("
+                    f"{', '.join(repr(n) for n in present)}) or fix the region's `input`")
 
     def check_placement(self, by_path) -> None:
         """Region state and the call input must sit where the step's weights are. Floating region
@@ -130,18 +152,30 @@ class Admission:
                 f"{tuple(got)} at {r.input!r}; fix the region's shape clocks")
 
     # -- absorption -----------------------------------------------------------------------
+    def allocate(self, r: Region, like, carries: Dict[str, Carry]) -> Carry:
+        """The region's carry: allocated once, zero-filled, at the declared extent (room
+        included), with ``like``'s dtype and device and its sizes where the region declares none."""
+        carry = carries.get(r.name)
+        if carry is None:
+            shape = [self.adapter.dim_size(d, r) for d in r.shape] if r.shape else list(like.shape)
+            shape[r.dim] = self.catalog.region(r.name).declared_extent
+            # a normal tensor even under inference_mode: later calls may run in other modes
+            with torch.inference_mode(False), torch.no_grad():
+                carry = Carry(r, torch.zeros(shape, dtype=like.dtype, device=like.device))
+            carries[r.name] = carry
+        return carry
+
     def absorb(self, r: Region, t: torch.Tensor, carries: Dict[str, Carry],
                counters: Counters) -> torch.Tensor:
         """``t`` as the leading view of the region's carry (allocated on first sight at the
         declared extent), copying it in unless it already is that view."""
-        carry = carries.get(r.name)
-        if carry is None:
-            shape = [self.adapter.dim_size(d, r) for d in r.shape] if r.shape else list(t.shape)
-            shape[r.dim] = self.catalog.region(r.name).declared_extent
-            with torch.no_grad():
-                carry = Carry(r, torch.zeros(shape, dtype=t.dtype, device=t.device))
-            carries[r.name] = carry
+        carry = self.allocate(r, t, carries)
         frames = t.shape[r.dim]
+        if carry.is_stale(t):
+            raise GuardError(
+                f"region {r.name!r}: this state is a view of the carry, but not the one the last "
+                f"call returned; the carry was overwritten since. To retry a chunk, keep "
+                f"state.clone() (or copy.deepcopy of the state) before the call and pass the clone")
         if carry.holds(t):
             return carry.view(frames)
         if t.device != carry.tensor.device or t.dtype != carry.tensor.dtype:
@@ -157,3 +191,43 @@ class Admission:
             carry.view(frames).copy_(src)
         counters.absorptions += 1
         return carry.view(frames)
+
+
+def check_paths(adapter: Adapter, arguments) -> None:
+    """Every region input and the call input must name an argument of the step (``arguments``:
+    its ``inspect.Signature``); otherwise every call would fall back. Raises a ``ContractError``
+    naming the path, the step's arguments and an adapter that fits, checked at compile time."""
+    params = arguments.parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    names = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if takes_any:
+        return
+    bad = [(f"region {r.name!r}", r.input) for r in adapter.regions
+           if r.input.split(".", 1)[0] not in names]
+    if adapter.call_input is not None and adapter.call_input.split(".", 1)[0] not in names:
+        bad.append(("call input", adapter.call_input))
+    if not bad:
+        return
+    fits = [r.name for r in adapter.regions if r.input.split(".", 1)[0] in names]
+    hint = []
+    if fits and len(fits) < len(adapter.regions):
+        hint.append(f"adapter.select({', '.join(repr(n) for n in fits)})")
+    hint += [repr(n) for n in _registered_fitting(names) if n != adapter.name]
+    what = "; ".join(f"{who} reads {path!r}" for who, path in bad)
+    raise ContractError(
+        f"adapter {adapter.name!r} does not fit this step: {what}, but the step's arguments are "
+        f"{names}. " + (f"Use {' or '.join(hint)}." if hint else
+                        "Fix the paths (`input`, `call_input`) to name the step's arguments."))
+
+
+def _registered_fitting(names) -> list:
+    from cadence_fx import adapters   # the registry (declarations only)
+    fitting = []
+    for name in adapters.names():
+        ad = adapters.get(name)
+        heads = {r.input.split(".", 1)[0] for r in ad.regions}
+        if ad.call_input is not None:
+            heads.add(ad.call_input.split(".", 1)[0])
+        if heads <= set(names):
+            fitting.append(name)
+    return fitting

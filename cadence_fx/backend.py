@@ -92,8 +92,9 @@ def _map_adapter(adapter: Adapter, gm: torch.fx.GraphModule, step: _DynamoStep) 
         hits = [i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)
                 and _matches(o.meta.get("example_value"), want, r.dim)
                 and cat.lower <= o.meta["example_value"].shape[r.dim] <= cat.declared_extent]
-        if len(hits) > 1:  # ancestry breaks ties (it cannot see writes into an envelope buffer)
-            hits = [i for i in hits if _depends_on(outputs[i], region_input)]
+        if len(hits) > 1:  # the result moved out of the input (cat, slices) breaks ties
+            moved = [i for i in hits if _moved_from(outputs[i], region_input)]
+            hits = moved or [i for i in hits if _depends_on(outputs[i], region_input)]
         if len(hits) != 1:
             log.warning("region %s: %d graph results can be its new state (a step that updates "
                         "the state in place and returns its input hands it back outside the "
@@ -123,6 +124,30 @@ def _written_in_place(gm: torch.fx.GraphModule, target: torch.fx.Node) -> bool:
     return False
 
 
+# torch-level ops that move data without computing on it: a region's new state reaches its own
+# input through these (a window of a concatenation), another layer's only through compute
+_MOVES = {torch.cat, torch.concat, torch.narrow, torch.split, torch.chunk, torch.clone,
+          operator.getitem}
+_MOVE_METHODS = {"narrow", "split", "chunk", "clone", "detach", "contiguous", "view", "reshape",
+                 "transpose", "permute", "unsqueeze", "squeeze", "flatten"}
+
+
+def _moved_from(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is source:
+            return True
+        if n in seen or not isinstance(n, torch.fx.Node):
+            continue
+        seen.add(n)
+        moves = (n.op == "call_function" and n.target in _MOVES) or \
+            (n.op == "call_method" and n.target in _MOVE_METHODS)
+        if moves:
+            stack.extend(n.all_input_nodes)
+    return False
+
+
 def _depends_on(node: torch.fx.Node, ancestor: torch.fx.Node) -> bool:
     seen, stack = set(), [node]
     while stack:
@@ -139,6 +164,30 @@ def _matches(v, want, dim) -> bool:
     if not isinstance(v, torch.Tensor) or v.dim() != len(want):
         return False
     return all(w is None or w == s for w, s in zip(want, v.shape))
+
+
+def _is_priming_graph(adapter: Adapter, gm: torch.fx.GraphModule) -> bool:
+    sources = set()
+    for n in gm.graph.nodes:
+        ga = n.meta.get("grapharg") if n.op == "placeholder" else None
+        if ga is not None:
+            name = ga.source.name
+            sources.add(name() if callable(name) else name)
+    return not any(_source_name(r.input) in sources for r in adapter.regions)
+
+
+def _raise_recompile_limit(catalog_size: int) -> None:
+    """Dynamo compiles one graph per catalog class (and one for the priming pass): its default
+    recompile limit (8) would send the rest of the catalog to plain eager with a warning."""
+    need = catalog_size + 2
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        have = getattr(config, name, None)
+        if isinstance(have, int) and have < need:
+            setattr(config, name, need)
+            log.info("torch._dynamo.config.%s raised from %d to %d: the catalog has %d classes",
+                     name, have, need, catalog_size)
 
 
 def cadence_backend(gm: torch.fx.GraphModule, example_inputs, *, options: Optional[Dict] = None,
@@ -158,6 +207,11 @@ def cadence_backend(gm: torch.fx.GraphModule, example_inputs, *, options: Option
     if isinstance(adapter, str):
         from cadence_fx import adapters
         adapter = adapters.get(adapter)
+    _raise_recompile_limit(build_catalog(adapter).size)
+    if _is_priming_graph(adapter, gm):
+        log.info("adapter %s: this graph receives no region state (the priming pass); it runs "
+                 "eagerly, as dynamo traced it", adapter.name)
+        return gm.forward
     step = _DynamoStep(gm, example_inputs)
     # Dynamo compiles one graph per shape; all graphs of one model and adapter share the carries,
     # so the stream's state keeps one address across catalog classes.

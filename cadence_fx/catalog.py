@@ -13,7 +13,7 @@ import math
 from typing import List, Optional, Tuple
 
 from .errors import ContractError
-from .contract import Adapter, PromptRetained, Region, Ring
+from .contract import Adapter, PromptRetained, Region, Ring, SlidingWindow
 
 __all__ = ["RegionCatalog", "Catalog", "build_catalog"]
 
@@ -27,7 +27,9 @@ class RegionCatalog:
     stride: int                   # s: frames the extent advances per call
     K: int                        # catalog width, eq. (7)
     admissible: bool              # Criterion 3.5: K <= the adapter's width limit
-    declared_extent: int          # A-dagger: frames the carry must hold
+    declared_extent: int          # A-dagger: frames the carry must hold (room included)
+    room: int                     # frames beyond the retention bound: one call's, appended
+                                  # before the window drops old ones
     stock_bytes: Optional[int]    # bytes of the stock envelope, if declared
     declared_bytes: Optional[int]  # bytes at the declared extent
     staging_bytes_aliased: Optional[int]    # eq. (6) with the carry aliased: envelope only
@@ -118,11 +120,12 @@ def build_catalog(adapter: Adapter) -> Catalog:
         s = adapter.clocks[r.advance]
         lower, bound = min(extents), max(extents)
         K = len(extents)
-        if isinstance(r.retention, Ring):
-            declared = bound
-        else:
-            # Stock code that writes the pre-retention state into an envelope needs one call of room.
-            declared = bound + (adapter.clocks[r.room or r.advance] if r.envelope else 0)
+        # A sliding window appends a call's frames before it drops old ones, and stock code that
+        # writes the pre-retention state into an envelope does the same: one call of room.
+        room = 0
+        if r.envelope or isinstance(r.retention, SlidingWindow):
+            room = adapter.clocks[r.room or r.advance]
+        declared = bound + room
         stock = None
         if r.stock_shape is not None:
             stock = math.prod(adapter.dim_size(d, r) for d in r.stock_shape) * r.element_bytes
@@ -133,7 +136,7 @@ def build_catalog(adapter: Adapter) -> Catalog:
             unaliased = (stock if stock is not None else declared_b) + per_class
         regions.append(RegionCatalog(
             name=r.name, extents=extents, lower=lower, bound=bound, stride=s, K=K,
-            admissible=K <= adapter.width_limit, declared_extent=declared,
+            admissible=K <= adapter.width_limit, declared_extent=declared, room=room,
             stock_bytes=stock, declared_bytes=declared_b,
             staging_bytes_aliased=declared_b, staging_bytes_unaliased=unaliased))
     joint = list(dict.fromkeys(walk))

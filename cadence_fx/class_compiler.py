@@ -24,7 +24,7 @@ from .pipeline import PassFailed, run_pipeline
 from .replay import EagerBackend
 from .tracing import InputSpec, TracedStep, leaves_with_paths, trace_step
 
-__all__ = ["ClassEntry", "compile_class"]
+__all__ = ["ClassEntry", "compile_class", "method_targets"]
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +88,16 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
     # written by the compiled path (envelopes replaced by carries are gone by now).
     if cs.release_envelopes:
         replaced |= written_before - {spec.name for spec in ctx.inputs if spec.kind == "buffer"}
+        for miss in ctx.records["near_misses"]:   # a declared envelope kept: say so, once
+            if miss["detail"].startswith("envelope ") and miss["detail"] not in cs._warned:
+                cs._warned.add(miss["detail"])
+                log.warning("release_envelopes=True, but region %s keeps its stock envelope in "
+                            "class %s: %s", miss["region"], key[0], miss["detail"])
     unsplit = ctx.records.get("graph", gm)
     for spec in written_inputs(unsplit, ctx.inputs):
         if spec.kind == "buffer" and spec.name not in cs._private:
-            cs._private[spec.name] = cs._buffers[spec.name].detach().clone()
+            with torch.inference_mode(False):   # written in place under any later mode
+                cs._private[spec.name] = cs._buffers[spec.name].detach().clone()
     # eq. (6), this class: with the regions aliased, only the other tensor arguments are staged
     ctx.records["staging_predicted"] = sum(
         n.meta["val"].numel() * n.meta["val"].element_size()
@@ -147,6 +153,9 @@ def _bind_regions(cs, traced: TracedStep) -> List[RegionBinding]:
             raise ContractError(f"region {r.name!r}: output path {r.output!r} is not a tensor "
                                 f"result of the step (results: {traced.out_paths}); fix `output`")
         if r.fixed_address and cs.options.state_rule:
+            if r.name not in cs.carries:   # the priming pass: the carry is made for its result
+                like = traced.gm.graph.output_node().args[0][out_pos[r.output]].meta["val"]
+                cs.admission.allocate(r, like, cs.carries)
             bindings.append(RegionBinding(r, ph, out_pos.get(r.output), cs.carries[r.name]))
     return bindings
 
@@ -181,20 +190,21 @@ def choose_backend(cs, named):
     return EagerBackend()
 
 
-def repeated_targets(adapter: Adapter, module: torch.nn.Module) -> List[Tuple[torch.nn.Module, str]]:
-    """The ``(submodule, method)`` pairs an adapter's ``repeated`` declarations name."""
+def method_targets(adapter: Adapter, module: torch.nn.Module,
+                   field: str = "repeated") -> List[Tuple[torch.nn.Module, str]]:
+    """The ``(submodule, method)`` pairs an adapter's ``repeated`` (or ``priming``) names."""
     targets = []
-    for decl in adapter.repeated:
+    for decl in getattr(adapter, field):
         owner, _, method = decl.rpartition(".")
         found = [sub for path, sub in module.named_modules() if path.rsplit(".", 1)[-1] == owner]
         if not found:
-            raise ContractError(f"adapter {adapter.name!r}: repeated call {decl!r} names no "
+            raise ContractError(f"adapter {adapter.name!r}: {field} call {decl!r} names no "
                                 f"submodule called {owner!r} in {type(module).__name__}; fix "
-                                f"`repeated` or leave it out")
+                                f"`{field}` or leave it out")
         for sub in found:
             if not callable(getattr(sub, method, None)):
-                raise ContractError(f"adapter {adapter.name!r}: repeated call {decl!r}: "
-                                    f"{type(sub).__name__} has no method {method!r}; fix `repeated`")
+                raise ContractError(f"adapter {adapter.name!r}: {field} call {decl!r}: "
+                                    f"{type(sub).__name__} has no method {method!r}; fix `{field}`")
             targets.append((sub, method))
     return targets
 

@@ -1,20 +1,87 @@
-"""``cadence-fx``: inspect an adapter's catalog before any model runs, or run the demo."""
+"""``cadence-fx``: inspect an adapter's catalog before any model runs, explain it, write the
+HTML report of a short stream, or run the demo.
+
+An adapter is named three ways: a registered name (``minicpmo-token2wav``), a module attribute
+(``pkg.module:NAME``) or an attribute of a Python file (``path/to/file.py:NAME``).
+"""
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
+import os
 import sys
 from typing import List, Optional
 
-__all__ = ["main"]
+__all__ = ["main", "load_adapter"]
+
+MODELS = ("token2wav", "moshi", "freeze-omni", "toy")  # cadence_fx.demo.MODELS, without importing torch
+FORMS = "a registered name ({names}), 'pkg.module:NAME', or 'path/to/file.py:NAME'"
+
+
+def load_adapter(spec: str):
+    """The adapter ``spec`` names, validated; a ``ContractError`` saying what was tried and the
+    forms accepted when it names none."""
+    from cadence_fx import adapters
+    from cadence_fx.contract import Adapter
+    from cadence_fx.errors import ContractError
+    forms = FORMS.format(names=", ".join(adapters.names()))
+    if spec in adapters.names():
+        return adapters.get(spec)
+    source, sep, attr = spec.rpartition(":")
+    if not sep or not source or not attr.isidentifier():
+        raise ContractError(f"no adapter named {spec!r}; give {forms}")
+    if source.endswith(".py") or "/" in source or os.sep in source:
+        where = f"file {source!r}"
+        if not os.path.isfile(source):
+            raise ContractError(f"adapter {spec!r}: tried {where}, which does not exist; give {forms}")
+        name = "cadence_fx_adapter_" + "".join(ch if ch.isalnum() else "_" for ch in
+                                               os.path.abspath(source))
+        try:
+            module_spec = importlib.util.spec_from_file_location(name, source)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module   # dataclasses declared in the file look their module up
+            module_spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - any error in the user's file, named
+            sys.modules.pop(name, None)
+            raise ContractError(f"adapter {spec!r}: loading {where} failed: "
+                                f"{type(e).__name__}: {e}") from e
+    else:
+        where = f"module {source!r}"
+        try:
+            module = importlib.import_module(source)
+        except Exception as e:  # noqa: BLE001 - ImportError, or an error inside the module
+            raise ContractError(f"adapter {spec!r}: importing {where} failed: "
+                                f"{type(e).__name__}: {e}; give {forms}") from e
+    if not hasattr(module, attr):
+        found = sorted(k for k, v in vars(module).items() if isinstance(v, Adapter))
+        raise ContractError(f"adapter {spec!r}: {where} has no attribute {attr!r} (adapters "
+                            f"there: {', '.join(found) or 'none'})")
+    adapter = getattr(module, attr)
+    if not isinstance(adapter, Adapter):
+        raise ContractError(f"adapter {spec!r}: {attr!r} in {where} is a "
+                            f"{type(adapter).__name__}, not a cadence_fx.Adapter")
+    return adapter.validate()
+
+
+def _adapter_or_error(command: str, spec: str):
+    from cadence_fx.errors import ContractError
+    try:
+        return load_adapter(spec)
+    except ContractError as e:
+        print(f"cadence-fx {command}: {e}", file=sys.stderr)
+        return None
 
 
 def _analyze(args) -> int:
-    from cadence_fx import adapters
     from cadence_fx.catalog import build_catalog
     from cadence_fx.errors import ContractError
+    adapter = _adapter_or_error("analyze", args.adapter)
+    if adapter is None:
+        return 2
     try:
-        catalog = build_catalog(adapters.get(args.adapter))
+        catalog = build_catalog(adapter)
     except ContractError as e:
         print(f"cadence-fx analyze: {e}", file=sys.stderr)
         return 2
@@ -45,6 +112,67 @@ def _bytes(n) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f} MiB"
 
 
+def _explain(args) -> int:
+    from cadence_fx.errors import ContractError
+    from cadence_fx.explain import explain, explain_text
+    adapter = _adapter_or_error("explain", args.adapter)
+    if adapter is None:
+        return 2
+    try:
+        d = explain(adapter)
+    except ContractError as e:
+        print(f"cadence-fx explain: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(d, indent=2) if args.json else explain_text(d))
+    return 0
+
+
+def _report(args) -> int:
+    if args.adapter is not None and args.model is not None:
+        print("cadence-fx report: give an adapter (its catalog alone) or --model (a stream), "
+              "not both", file=sys.stderr)
+        return 2
+    if args.adapter is not None:
+        from cadence_fx.report_html import catalog_page
+        adapter = _adapter_or_error("report", args.adapter)
+        if adapter is None:
+            return 2
+        text = catalog_page(adapter)
+    else:
+        try:
+            text = _stream_report(args.model or "toy", args.chunks, args.verify)
+        except (ValueError, RuntimeError, ImportError) as e:  # bad input, model not installed
+            print(f"cadence-fx report: {e}", file=sys.stderr)
+            return 2
+    with open(args.html, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {args.html} ({len(text.encode()) / 1024:,.0f} KiB)")
+    return 0
+
+
+def _stream_report(model: str, chunks: Optional[int], verify: bool) -> str:
+    """Run a short stream of a demo model through its compiled steps on the CPU, keeping each
+    class's trace (for the code before the passes), and render the report of every step."""
+    import torch
+    from cadence_fx import demo
+    from cadence_fx.report_html import page
+    if chunks is None:
+        chunks = 16 if model == "toy" else 4
+    if chunks < 4:
+        raise ValueError("a demo stream needs at least 4 chunks (two turns of two)")
+    stream = demo._BUILDERS[model](torch.device("cpu"), chunks)
+    if stream.prepare_compiled is not None:
+        stream.prepare_compiled()
+    for step in stream.steps.values():
+        step.trace_cache = {} if step.trace_cache is None else step.trace_cache
+        step.verify = step.verify or verify
+    stream.compiled(lambda i: None)
+    notes = {"model": model, "device": "cpu", "chunks": stream.chunks, "shadow audit": verify,
+             **{k: str(v) for k, v in stream.config.items()}}
+    return page({name: step.report() for name, step in stream.steps.items()},
+                f"cadence_fx report: {model}", notes)
+
+
 def _demo(args) -> int:
     from cadence_fx.demo import run_demo
     try:
@@ -60,16 +188,32 @@ def _demo(args) -> int:
     return 0 if result["bit_exact"] else 1
 
 
-MODELS = ("token2wav", "moshi", "freeze-omni", "toy")  # cadence_fx.demo.MODELS, without importing torch
-
-
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="cadence-fx", description=__doc__)
+    parser = argparse.ArgumentParser(prog="cadence-fx", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    spec_help = ("an adapter: a registered name (e.g. minicpmo-token2wav), pkg.module:NAME, or "
+                 "path/to/file.py:NAME")
     a = sub.add_parser("analyze", help="print the catalog an adapter implies")
-    a.add_argument("adapter", help="a registered adapter, e.g. minicpmo-token2wav")
+    a.add_argument("adapter", help=spec_help)
     a.add_argument("--json", action="store_true")
     a.set_defaults(run=_analyze)
+    e = sub.add_parser("explain", help="walk through what an adapter implies, region by region")
+    e.add_argument("adapter", help=spec_help)
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(run=_explain)
+    r = sub.add_parser("report", help="write the HTML report of a short demo stream (CPU), "
+                                      "or of an adapter's catalog alone")
+    r.add_argument("adapter", nargs="?", default=None,
+                   help=f"{spec_help}; its catalog alone, no model runs (instead of --model)")
+    r.add_argument("--html", required=True, metavar="FILE", help="where to write the page")
+    r.add_argument("--model", default=None, choices=list(MODELS),
+                   help="the demo stream to run and report (default: toy)")
+    r.add_argument("--chunks", type=int, default=None,
+                   help="chunks in the stream (default: 16 for the toy, 4 otherwise)")
+    r.add_argument("--verify", action="store_true",
+                   help="compile with the shadow auditor (its nodes show in the rewrites)")
+    r.set_defaults(run=_report)
     d = sub.add_parser("demo", help="run a stream stock vs compiled and compare bit for bit")
     d.add_argument("--model", default="token2wav", choices=list(MODELS),
                    help="token2wav (default, real configuration), moshi, freeze-omni, or toy")

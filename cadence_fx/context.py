@@ -3,6 +3,7 @@ nodes, the carries, and a record of every rewrite for the report."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -19,6 +20,20 @@ class Carry:
     """A contract-owned buffer holding one region at a fixed address for the stream's lifetime."""
     region: Region
     tensor: torch.Tensor
+    # the state the last compiled call handed out (a view of the carry): a carry view passed in
+    # that is not it is a stale state, overwritten since (a retry from an uncloned old state)
+    handed_out: Optional[weakref.ref] = None
+
+    def hand_out(self, state: torch.Tensor) -> torch.Tensor:
+        """A fresh view object of ``state`` for the caller, remembered as the latest."""
+        view = state.view(state.shape)
+        self.handed_out = weakref.ref(view)
+        return view
+
+    def is_stale(self, t: torch.Tensor) -> bool:
+        """``t`` is a view of the carry, but not the state the last call handed out."""
+        latest = None if self.handed_out is None else self.handed_out()
+        return self.handed_out is not None and t is not latest and self.holds(t)
 
     @property
     def dim(self) -> int:

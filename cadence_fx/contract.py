@@ -113,6 +113,9 @@ class Adapter:
     ``"<submodule>.<method>"`` with the submodule named by the last component of its path (e.g.
     ``"estimator.forward_chunk"``, once per Euler step): each signature is traced once and the
     later calls' nodes are copied, which the tracer checks is exact (``cadence_fx.splice``).
+    ``priming`` names stock methods outside the step that prime a stream from a prompt (e.g.
+    ``"flow.setup_cache"``): with ``release_envelopes=True`` they get the released envelopes back
+    for the call (zero-filled) and release them again, their results copied out first.
     """
     name: str
     clocks: Mapping[str, int]
@@ -126,6 +129,7 @@ class Adapter:
     width_limit: int = 64
     recapture_on_drift: bool = True
     repeated: Tuple[str, ...] = ()
+    priming: Tuple[str, ...] = ()
     description: str = ""
 
     def __post_init__(self):
@@ -134,6 +138,7 @@ class Adapter:
         object.__setattr__(self, "call_frames", tuple(self.call_frames))
         object.__setattr__(self, "constants", tuple(self.constants))
         object.__setattr__(self, "repeated", tuple(self.repeated))
+        object.__setattr__(self, "priming", tuple(self.priming))
 
     # -- derived numbers -------------------------------------------------------------------
     def clock(self, name: str, *, who: str = "adapter") -> int:
@@ -201,11 +206,12 @@ class Adapter:
                                 "whose `call_dim` carries the call width")
         if self.width_limit < 1:
             raise ContractError(f"{where}: width_limit {self.width_limit} must be >= 1")
-        for r in self.repeated:
-            owner, _, method = r.rpartition(".")
-            if not owner or not method.isidentifier() or not owner.isidentifier():
-                raise ContractError(f"{where}: repeated call {r!r} is not '<submodule>.<method>' "
-                                    "(e.g. 'estimator.forward_chunk'); fix `repeated`")
+        for field, example in (("repeated", "estimator.forward_chunk"), ("priming", "flow.setup_cache")):
+            for r in getattr(self, field):
+                owner, _, method = r.rpartition(".")
+                if not owner or not method.isidentifier() or not owner.isidentifier():
+                    raise ContractError(f"{where}: {field} call {r!r} is not '<submodule>.<method>' "
+                                        f"(e.g. {example!r}); fix `{field}`")
         return self
 
     def _validate_region(self, r: Region) -> None:

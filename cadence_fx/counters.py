@@ -27,6 +27,7 @@ class Counters:
     copied_calls: int = 0     # repeated calls copied into a trace instead of traced again
     released_bytes: int = 0   # stock envelope storage freed now (``release_envelopes``)
     restored_bytes: int = 0   # envelope storage given back for good because the stock step ran
+    primes_lent: int = 0      # declared priming calls that borrowed the released envelopes
     reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     addresses: Dict[str, Set[int]] = dataclasses.field(
         default_factory=lambda: collections.defaultdict(set))

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+import inspect
 import logging
-from typing import Dict, Iterable, Iterator, Set
+from typing import Dict, Iterable, Iterator, List, Set, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 
+from .contract import Adapter
 from .counters import Counters
+from .errors import ContractError
 
 __all__ = ["Envelopes"]
 
@@ -79,3 +84,61 @@ class Envelopes:
             yield replaced
         finally:
             self.release(sorted(released | replaced))
+
+    @contextlib.contextmanager
+    def lent(self) -> Iterator[None]:
+        """The released envelopes back, zero-filled, for one stock call that needs them (a
+        declared priming method), and released again afterwards. The peak holds them meanwhile."""
+        released = sorted(self.released)
+        self.restore(keep=False)
+        try:
+            yield
+        finally:
+            self.release(released)
+
+    def guard(self, module: torch.nn.Module, adapter: Adapter,
+              priming: List[Tuple[torch.nn.Module, str]]) -> None:
+        """Make stock code that would read a released envelope fail with the fix instead of a
+        storage error: every method of an envelope's owning module checks first; the adapter's
+        declared priming methods borrow the envelopes instead (``lent``), and copy out any result
+        that lives in one before they are released again."""
+        names = {r.envelope for r in adapter.regions if r.envelope}
+        owners = [(path, sub) for path, sub in module.named_modules()
+                  if any(n in sub._buffers for n in names)]
+        for path, sub in owners:
+            held = [f"{path}.{n}" if path else n for n in names if n in sub._buffers]
+            for name, fn in inspect.getmembers(type(sub), inspect.isfunction):
+                if name.startswith("_") or name in vars(sub):
+                    continue
+                setattr(sub, name, self._guarded(getattr(sub, name), f"{type(sub).__name__}.{name}",
+                                                 held, adapter))
+        for sub, name in priming:
+            setattr(sub, name, self._lending(getattr(sub, name)))
+
+    def _guarded(self, method, label: str, held: List[str], adapter: Adapter):
+        @functools.wraps(method)
+        def guarded(*args, **kwargs):
+            if self.released:
+                raise ContractError(
+                    f"{label} reads the stock envelope(s) {held}, whose storage this compiled step "
+                    f"released (release_envelopes=True). Prime through the compiled step (call it "
+                    f"with the state None), declare the stock priming method in the adapter's "
+                    f"`priming` (adapter {adapter.name!r} declares {list(adapter.priming)}), call "
+                    f"compiled.close() first, or compile without release_envelopes")
+            return method(*args, **kwargs)
+        return guarded
+
+    def _lending(self, method):
+        @functools.wraps(method)
+        def lending(*args, **kwargs):
+            if not self.released:
+                return method(*args, **kwargs)
+            names = list(self.released)
+            with self.lent():
+                envelopes = {self._buffers[n].untyped_storage().data_ptr() for n in names}
+                out = method(*args, **kwargs)
+                self._counters.primes_lent += 1
+                return pytree.tree_map_only(
+                    torch.Tensor, lambda t: t.clone() if t.untyped_storage().data_ptr() in envelopes
+                    else t, out)
+        return lending

@@ -24,6 +24,7 @@ def prepare(cs, args, kwargs) -> bool:
     generator as it was. Returns whether the class is compiled."""
     snapshot = TensorSnapshot([c.tensor for c in cs.carries.values()] + list(cs._private.values()))
     rng, counters = RngSnapshot(), copy.deepcopy(cs.counters)
+    handed_out = {name: c.handed_out for name, c in cs.carries.items()}
     entry = None
     try:
         entry, by_path, _ = cs._select(args, kwargs)
@@ -40,6 +41,8 @@ def prepare(cs, args, kwargs) -> bool:
         rng.restore()
         for f in dataclasses.fields(counters):  # preparing is not traffic: counters stay put
             setattr(cs.counters, f.name, getattr(counters, f.name))
+        for name, c in cs.carries.items():      # nor is what it handed out
+            c.handed_out = handed_out.get(name)
     return entry is not None
 
 
@@ -51,6 +54,7 @@ def capture_catalog(cs, args, kwargs) -> Dict[Tuple, bool]:
     ad = cs.adapter
     x = by_path.get(ad.call_input) if ad.call_input else None
     width = x.shape[ad.call_dim] if isinstance(x, torch.Tensor) else None
+    regions = {r.input for r in ad.regions}
     done = {}
     for extents, w in cs.catalog.classes:
         synth = dict(by_path)
@@ -62,8 +66,8 @@ def capture_catalog(cs, args, kwargs) -> Dict[Tuple, bool]:
                 synth[r.input] = torch.zeros(size, dtype=t.dtype, device=t.device)
         if width is not None:
             for path, t in by_path.items():
-                if (isinstance(t, torch.Tensor) and path not in {r.input for r in ad.regions}
-                        and t.dim() > (ad.call_dim % t.dim()) and t.shape[ad.call_dim] == width):
+                if (isinstance(t, torch.Tensor) and path not in regions
+                        and -t.dim() <= ad.call_dim < t.dim() and t.shape[ad.call_dim] == width):
                     size = list(t.shape)
                     size[ad.call_dim] = w
                     synth[path] = torch.zeros(size, dtype=t.dtype, device=t.device)

@@ -1,9 +1,9 @@
 """What a compiled step shows: its catalog, memory before/after, counters, and per class the
 rewritten graph with carry writes and partitions marked. ``str(report)`` for a terminal,
-``_repr_html_`` for a notebook."""
+``_repr_html_`` for a notebook (rendered by ``report_html``; the code before the passes is shown
+when the step was compiled with ``trace_cache={}``)."""
 from __future__ import annotations
 
-import html
 from typing import Dict, List
 
 from .fx_utils import aten, view_chain
@@ -115,23 +115,12 @@ class Report:
 
     # -- notebook -------------------------------------------------------------------------
     def _repr_html_(self) -> str:
-        d = self.as_dict()
-        e = html.escape
-        rows = "".join(
-            f"<tr><td>{e(r['name'])}</td><td>{r['extents']}</td><td>{r['K']}</td>"
-            f"<td>{'yes' if r['admissible'] else '<b>no</b>'}</td><td>{_mib(r['stock_bytes'])}</td>"
-            f"<td>{_mib(r['declared_bytes'])}</td></tr>" for r in d["catalog"]["regions"])
-        parts = [f"<h4>cadence_fx: {e(d['adapter'])}</h4>",
-                 "<table><tr><th>region</th><th>extents</th><th>K</th><th>admissible</th>"
-                 f"<th>stock</th><th>declared</th></tr>{rows}</table>",
-                 "<pre>" + e(str(self)) + "</pre>"]
-        for i in range(len(d["classes"])):
-            lines = self.graph_lines(i)
-            body = "\n".join(
-                f"<span style='background:#ffe08a'>{e(l)}</span>" if l.endswith("<- carry write")
-                else f"<span style='color:#a33'>{e(l)}</span>" if " eager] " in l else e(l)
-                for l in lines)
-            cls = d["classes"][i]
-            parts.append(f"<details><summary>graph of class extents={cls['extents']} "
-                         f"width={cls['width']}</summary><pre>{body}</pre></details>")
-        return "\n".join(parts)
+        """Charts, tables and each region's rewrite as code before/after (``report_html``)."""
+        from .report_html import render
+        return render(self)
+
+    def save_html(self, path) -> None:
+        """The report as a standalone HTML page."""
+        from .report_html import page
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(page({"": self}, f"cadence_fx report: {self.c.adapter.name}"))

@@ -23,10 +23,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import prepare as _prepare
-from .admission import Admission
+from .admission import Admission, check_paths
 from .audit import Auditor
 from .catalog import Catalog, build_catalog
-from .class_compiler import ClassEntry, compile_class, repeated_targets
+from .class_compiler import ClassEntry, compile_class, method_targets
 from .context import Carry
 from .contract import Adapter
 from .counters import Counters
@@ -69,6 +69,7 @@ class CompiledStep:
         self.classes: Dict[Tuple, ClassEntry] = {}
         self._private: Dict[str, torch.Tensor] = {}  # buffers the compiled path writes, copied
         self._rejected: Dict[Tuple, str] = {}   # classes that run the stock step, with the reason
+        self._warned: set = set()               # declarations that did not match, warned once
         self._params = dict(module.named_parameters())
         self._buffers = dict(module.named_buffers())
         self.admission = Admission(adapter, self.catalog, self._params, strict=strict)
@@ -76,10 +77,13 @@ class CompiledStep:
         self._pipeline = build_pipeline(options)
         self._fn = step.forward if isinstance(step, torch.nn.Module) else step
         self._arguments = inspect.signature(self._fn)  # bound on every call: inspect it once
+        check_paths(self.adapter, self._arguments)
         # tensor attributes the adapter declares constant (e.g. HiFT's ``stft_window``)
         self._constant_ids = {id(t) for name, t in module_state_tensors(module).items()
                               if name.rsplit(".", 1)[-1] in adapter.constants}
-        self._repeated = repeated_targets(adapter, module) if options.repeated else []
+        self._repeated = method_targets(adapter, module) if options.repeated else []
+        if release_envelopes:   # stock methods that read released envelopes: guarded or lent
+            self.envelopes.guard(module, adapter, method_targets(adapter, module, "priming"))
 
     # -- the call ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -116,7 +120,8 @@ class CompiledStep:
 
     def _signature(self, by_path, spec) -> Tuple:
         """Class key (extents, width), then every leaf's signature and the global modes."""
-        extents = tuple(by_path[r.input].shape[r.dim] for r in self.adapter.regions)
+        extents = tuple(by_path[r.input].shape[r.dim] if isinstance(by_path.get(r.input), torch.Tensor)
+                        else None for r in self.adapter.regions)   # all None: the priming pass
         width = None
         if self.adapter.call_input is not None:
             width = by_path[self.adapter.call_input].shape[self.adapter.call_dim]
@@ -145,6 +150,7 @@ class CompiledStep:
             leaves[i] = v
         for name, idx in entry.out_regions.items():
             self.counters.addresses[name].add(outs[idx].data_ptr())
+            leaves[t.out_tensor_index[idx]] = self.carries[name].hand_out(outs[idx])
         self.counters.compiled_calls += 1
         self.counters.applications += entry.writes
         self.counters.retentions += entry.retentions

@@ -53,6 +53,7 @@ class _Session:
         self.rng = rng          # its own generator state when the step draws randomness
         self.snapshots: Dict[str, torch.Tensor] = {}
         self.chunks = 0
+        self.lost = False       # its state was in the carries when another caller ran the step
 
 
 class SessionPool:
@@ -80,8 +81,10 @@ class SessionPool:
         self._calls_seen = compiled.counters.calls
 
     # -- the API -----------------------------------------------------------------------------
-    def open(self, state, seed: Optional[int] = None) -> int:
-        """A new session starting from ``state`` (e.g. the prompt state); returns its id.
+    def open(self, state=None, seed: Optional[int] = None) -> int:
+        """A new session starting from ``state`` (e.g. the prompt state); returns its id. With
+        ``state=None`` the session's first chunk is its priming pass: ``step`` hands the step
+        ``None`` as the state, and the compiled step runs it as the priming class.
 
         When the adapter declares device randomness, every session draws from its own generator
         state (swapped in around its chunks), started from ``seed`` -- or from the generator's
@@ -90,10 +93,12 @@ class SessionPool:
         self._sessions[sid] = _Session(self._own(state), self._rng_start(state, seed))
         return sid
 
-    def reset(self, sid: int, state) -> None:
-        """Turn boundary: the session restarts from ``state`` (its generator runs on)."""
+    def reset(self, sid: int, state=None) -> None:
+        """Turn boundary: the session restarts from ``state`` (its generator runs on), or with
+        ``None`` from a new priming pass (its next chunk)."""
         session = self._get(sid)
         session.state = self._own(state)
+        session.lost = False
         if self.resident == sid:
             self.resident = None   # its old data in the carries is no longer wanted
 
@@ -111,12 +116,12 @@ class SessionPool:
                             "holds each session's state")
         if self.resident is not None and self.compiled.counters.calls != self._calls_seen:
             lost, self.resident = self.resident, None
-            self._sessions[lost].state = None
+            self._sessions[lost].state, self._sessions[lost].lost = None, True
             raise GuardError(
                 f"the compiled step ran outside this pool after session {lost}'s last chunk, so "
                 f"the carries no longer hold that session's state: pool.reset({lost}, state) "
                 "restarts it. Serve every stream of a compiled step through one pool")
-        if session.state is None:
+        if session.lost:
             raise GuardError(f"session {sid} lost its state (see the earlier error); "
                              f"pool.reset({sid}, state) restarts it")
         if self.resident is not None and self.resident != sid:
@@ -163,8 +168,9 @@ class SessionPool:
         if not self.adapter.effects.device_rng:
             return None
         if getattr(self, "_generator", None) is None:
+            weights = next(self.compiled.module.parameters(), None)   # a priming session has no state
             device = next((t.device for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)),
-                          torch.device("cpu"))
+                          weights.device if weights is not None else torch.device("cpu"))
             self._generator = (torch.cuda.default_generators[device.index or 0]
                                if device.type == "cuda" else torch.default_generator)
         if seed is None:
@@ -208,7 +214,8 @@ class SessionPool:
                 continue   # already the session's own tensor
             snap = session.snapshots.get(r.name)
             if snap is None:
-                snap = session.snapshots[r.name] = torch.empty_like(carry.tensor)
+                with torch.inference_mode(False):   # written under any later mode
+                    snap = session.snapshots[r.name] = torch.empty_like(carry.tensor)
             frames = t.shape[r.dim]
             with torch.no_grad():
                 snap.narrow(r.dim, 0, frames).copy_(t)

@@ -334,11 +334,18 @@ def test_append_writes_only_the_new_frames():
     assert torch.equal(carry.view(2), named["cache"])  # the held frames were not rewritten
 
 
-def test_tail_slice_is_materialized():
-    named = {"x": _state(2, 1), "cache": _state(6, 2)}  # full window: the new state is a tail slice
+def test_tail_slice_is_a_window_in_place():
+    """Full window: ``cat([C[:6], x])[:, :, -6:]``. The call's 2 frames go into the carry's room,
+    the concatenation goes, and the kept 6 frames move down by 2: three overlapping pieces, so
+    through one temporary (a clone and a copy)."""
+    named = {"x": _state(2, 1), "cache": _state(6, 2)}
     result, ctx, before, after = _carry_pass(Window(), WINDOW, **named)
-    assert result.modified and _kinds(ctx) == ["materialize"]
-    assert (before[COPY], after[COPY]) == (0, 1)
+    assert result.modified and _kinds(ctx) == ["retention"]
+    assert (before[COPY], after[COPY]) == (0, 1 + 1)
+    nodes = result.graph_module.graph.nodes
+    assert not [n for n in nodes if n.target is aten.cat.default]
+    assert len([n for n in nodes if n.target is aten.clone.default]) == 1
+    assert ctx.regions[0].carry.extent == 6 + 2   # the window plus one call of room
     _assert_equal_outputs(_run_rewritten(result.graph_module, ctx, Window(), named),
                           _stock(Window, named))
 

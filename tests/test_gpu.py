@@ -362,3 +362,39 @@ def test_freeze_omni_replays_bit_exact():
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(ref, got))
     k = compiled.counters
     assert k.replays == 10 and k.fallbacks == 0 and len(compiled.classes) == 2
+
+
+def test_real_cfm_primes_new_speakers_through_the_compiled_step_with_released_envelopes():
+    """Each new speaker's cache-free prompt pass (302 frames, no state) is a class of its own,
+    captured like the others: with ``release_envelopes=True`` and ``strict=True`` two speakers
+    are primed and streamed, every call replays, the 2.1 GB envelope stays released."""
+    token2wav = pytest.importorskip("cadence_fx.models.token2wav")
+    from cadence_fx import adapters
+    adapter = adapters.get("minicpmo-token2wav").select("estimator_att_cache", "estimator_cnn_cache")
+
+    def serve(step):
+        outs = []
+        for speaker in (1, 2):
+            g = torch.Generator().manual_seed(speaker)
+            mu, spks, cond = (torch.randn(1, 80, 302, generator=g).to(DEV),
+                              torch.randn(1, 80, generator=g).to(DEV),
+                              torch.randn(1, 80, 302, generator=g).to(DEV))
+            with torch.inference_mode():
+                mel, state = step(mu, spks, cond, None)
+                outs.append(mel.clone())
+                for w in (50, 50, 50, 56):
+                    mel, state = step(torch.randn(1, 80, w, generator=g).to(DEV), spks,
+                                      torch.zeros(1, 80, w, device=DEV), state)
+                    outs.append(mel.clone())
+        return outs
+
+    stock = serve(token2wav.CFMStep(token2wav.build_cfm(depth=2)).to(DEV))
+    step = token2wav.CFMStep(token2wav.build_cfm(depth=2)).to(DEV)
+    compiled = cadence_fx.compile(step, adapter, release_envelopes=True, strict=True)
+    ours = serve(compiled)
+    assert [torch.equal(a, b) for a, b in zip(stock, ours)] == [True] * len(stock)
+    c = compiled.counters
+    assert (c.fallbacks, c.compiled_calls) == (0, len(stock)) and c.replays >= len(stock)
+    assert c.released_bytes >= 16 * 16 * 2 * 8 * 1000 * 128 * 4 and c.restored_bytes == 0
+    assert ((None, None), 302) in {key[0] for key in compiled.classes}
+    assert c.carry_addresses == 1

@@ -58,3 +58,33 @@ def test_flow_stream_bit_exact_with_three_carries():
     assert len(addresses["stock"]["conformer_att_cache"]) > 1
     assert not any(e.records["near_misses"] for e in compiled.classes.values())
     assert sum(compiled.auditor.comparisons.values()) == c.applications
+
+
+def test_a_new_speaker_primes_the_compiled_flow_and_the_envelopes_stay_released():
+    """A server primes every new speaker with the flow's own ``setup_cache`` on the module it
+    compiled with ``release_envelopes=True``: the declared priming method borrows the envelopes
+    (zero-filled) and they are released again; its prompt state equals stock's bit for bit, and
+    that speaker's next chunk runs compiled. Any other stock method that reads a released
+    envelope says what to do instead of failing on empty storage."""
+    from cadence_fx.errors import ContractError
+    stock = token2wav.FlowStep(token2wav.build_flow(1, blocks=(1, 1)))
+    step = token2wav.FlowStep(token2wav.build_flow(1, blocks=(1, 1)))
+    adapter = adapters.get("minicpmo-token2wav-flow").with_clocks(conformer_layers=2)
+    compiled = cadence_fx.compile(step, adapter, release_envelopes=True)
+    spk_a, prompt_a = token2wav.prime_flow(stock, seed=1)
+    tok = torch.randint(0, 6561, (1, 28), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        compiled(tok, spk_a, prompt_a)
+    k = compiled.counters
+    released = k.released_bytes
+    assert released >= 16 * 16 * 2 * 8 * 1000 * 128 * 4 and k.compiled_calls == 1
+    spk_b, prompt_b = token2wav.prime_flow(step, seed=2)          # on the compiled module
+    spk_ref, prompt_ref = token2wav.prime_flow(stock, seed=2)
+    assert all(torch.equal(prompt_b[name], prompt_ref[name]) for name in prompt_ref)
+    assert k.primes_lent == 1 and k.released_bytes == released and k.restored_bytes == 0
+    with torch.inference_mode():
+        mel_c, _ = compiled(tok, spk_b, prompt_b)
+        mel_s, _ = stock(tok, spk_ref, prompt_ref)
+    assert torch.equal(mel_c, mel_s) and (k.compiled_calls, k.fallbacks) == (2, 0)
+    with pytest.raises(ContractError, match="att_cache_buffer.*released"):
+        step.flow.decoder.forward_chunk(None)

@@ -38,7 +38,8 @@ class Toy:
     initial: Callable[[], tuple]               # the state a turn starts from (after x)
     advance: Callable[[tuple, int], tuple]     # catalog extents after an admitted call of width w
     start: tuple                               # catalog extents at a turn start
-    retains: Callable[[tuple, int], bool]      # does a call at these extents of width w fire retention
+    retains: Callable[[tuple, int], int]       # regions whose retention fires in a call at these
+                                               # extents of width w
 
     def call(self, step, x, state):
         """One call: (every tensor to compare, the state to hand back, the region state tensors)."""
@@ -80,7 +81,9 @@ TOYS = {
         name="conv", make=ConvLeftContextToy, adapter=CONV_ADAPTER, f_chunk=4,
         admitted=(1, 2, 3, 4), rejected=(5, 6),
         x_shape=lambda w: (1, 32, w), initial=lambda: (torch.zeros(1, 32, 2), torch.zeros(1, 64, 0)),
-        advance=lambda e, w: (2, min(e[1] + w, 4)), start=(2, 0), retains=lambda e, w: False),
+        # the conv context drops frames on every call; the attention window once it is full
+        advance=lambda e, w: (2, min(e[1] + w, 4)), start=(2, 0),
+        retains=lambda e, w: 1 + (e[1] + w > 4)),
 }
 
 

@@ -1,0 +1,224 @@
+"""A chunked streaming conformer encoder, its adapter, and helpers that run it as a server does.
+
+The model is a test vehicle of our own (none of the supported families), written the way most
+streaming speech code keeps its caches:
+
+- the input features are dithered with device randomness (``feats + 1e-3 * randn_like(feats)``);
+- each layer is macaron FFN -> RoPE self-attention -> causal depthwise conv -> FFN -> norm;
+- attention keeps a per-layer K/V cache as ``cat([k_cache, k_new], 2)[:, :, -W:]``: keys are
+  rotated at their absolute positions (``offset + arange(t)``) before they are cached, new frames
+  attend to every cached frame and causally within the chunk;
+- the conv module keeps its left context as ``ctx = cat([conv_cache, h], 2)`` and the new conv
+  cache is ``ctx[:, :, -4:]`` (kernel 5).
+
+``StreamingConformer.forward(feats, state) -> (out, new_state)``: ``feats`` is (batch, frames,
+80), ``state`` a dict of per-layer tensors ``k{i}``, ``v{i}`` (batch, heads, frames, head_dim),
+``conv{i}`` (batch, d_model, 4) and an int64 ``offset`` (1,), or None for the priming pass:
+``forward(prompt_feats, None)`` runs a speaker's 16-frame prompt without caches and returns the
+state a turn starts from (K/V extent min(prompt, W) = 16, a zero-padded conv context).
+Steady chunks are 8 or 12 frames; a turn may end on a 4-frame flush.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cadence_fx.contract import APPEND, Adapter, Effects, Region, SlidingWindow
+
+__all__ = ["StreamingConformer", "CONFORMER_ADAPTER", "CLOCKS", "LAYERS", "BINS", "PROMPT",
+           "CHUNKS", "FLUSH", "make_model", "prompt_feats", "chunk_feats", "clone_state",
+           "prime", "run_turns", "State"]
+
+LAYERS, D_MODEL, HEADS, FFN, BINS, KERNEL = 3, 64, 4, 256, 80, 5
+PROMPT, WINDOW, CHUNKS, FLUSH = 16, 24, (8, 12), 4
+
+State = Dict[str, torch.Tensor]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half form; ``cos``/``sin`` are (frames, head_dim)."""
+    a, b = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-b, a], dim=-1) * sin
+
+
+class RopeAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, window: int):
+        super().__init__()
+        self.heads, self.head_dim, self.window = heads, dim // heads, window
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        inv = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, x, k_cache: Optional[torch.Tensor], v_cache: Optional[torch.Tensor],
+                offset: torch.Tensor):
+        b, t, _ = x.shape
+        q, k, v = (z.reshape(b, t, self.heads, self.head_dim).transpose(1, 2)
+                   for z in self.qkv(x).chunk(3, dim=-1))
+        pos = (offset + torch.arange(t, device=x.device)).to(x.dtype)
+        angles = pos[:, None] * self.inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if k_cache is not None:
+            k = torch.cat([k_cache, k], dim=2)
+            v = torch.cat([v_cache, v], dim=2)
+        held = k.shape[2] - t
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        mask = torch.cat([torch.ones(t, held, dtype=torch.bool, device=x.device), causal], dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        o = self.out(o.transpose(1, 2).reshape(b, t, -1))
+        return o, k[:, :, -self.window:], v[:, :, -self.window:]
+
+
+class CausalConvModule(nn.Module):
+    """Pointwise conv + GLU, a causal depthwise conv over the cached left context, norm, SiLU,
+    pointwise conv."""
+
+    def __init__(self, dim: int, kernel: int):
+        super().__init__()
+        self.context = kernel - 1
+        self.pw1 = nn.Conv1d(dim, 2 * dim, 1)
+        self.dw = nn.Conv1d(dim, dim, kernel, groups=dim)
+        self.norm = nn.LayerNorm(dim)
+        self.pw2 = nn.Conv1d(dim, dim, 1)
+
+    def forward(self, x: torch.Tensor, conv_cache: Optional[torch.Tensor]):
+        h = F.glu(self.pw1(x.transpose(1, 2)), dim=1)            # (batch, dim, frames)
+        if conv_cache is None:                                    # priming: zero left context
+            conv_cache = h.new_zeros(h.shape[0], h.shape[1], self.context)
+        ctx = torch.cat([conv_cache, h], 2)
+        h = self.dw(ctx)
+        h = F.silu(self.norm(h.transpose(1, 2))).transpose(1, 2)
+        return self.pw2(h).transpose(1, 2), ctx[:, :, -self.context:]
+
+
+class ConformerLayer(nn.Module):
+    def __init__(self, dim: int, heads: int, ffn: int, kernel: int, window: int):
+        super().__init__()
+        self.ff1, self.ff2 = (
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, ffn), nn.SiLU(), nn.Linear(ffn, dim))
+            for _ in range(2))
+        self.norm_att, self.norm_conv, self.norm_out = (nn.LayerNorm(dim) for _ in range(3))
+        self.att = RopeAttention(dim, heads, window)
+        self.conv = CausalConvModule(dim, kernel)
+
+    def forward(self, x, k_cache, v_cache, conv_cache, offset):
+        x = x + 0.5 * self.ff1(x)
+        y, k, v = self.att(self.norm_att(x), k_cache, v_cache, offset)
+        x = x + y
+        y, conv = self.conv(self.norm_conv(x), conv_cache)
+        x = x + y
+        x = x + 0.5 * self.ff2(x)
+        return self.norm_out(x), k, v, conv
+
+
+class StreamingConformer(nn.Module):
+    def __init__(self, layers: int = LAYERS, dim: int = D_MODEL, heads: int = HEADS, ffn: int = FFN,
+                 bins: int = BINS, kernel: int = KERNEL, window: int = WINDOW, seed: int = 0):
+        super().__init__()
+        self.embed = nn.Linear(bins, dim)
+        self.layers = nn.ModuleList(ConformerLayer(dim, heads, ffn, kernel, window)
+                                    for _ in range(layers))
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():  # every parameter random, norms and biases included
+            for name, p in self.named_parameters():
+                r = torch.randn(p.shape, generator=g)
+                p.copy_(r / max(1, p[0].numel()) ** 0.5 if p.dim() > 1
+                        else (0.05 * r if name.endswith("bias") else 1 + 0.1 * r))
+
+    def forward(self, feats: torch.Tensor, state: Optional[State] = None):
+        x = feats + 1e-3 * torch.randn_like(feats)                # dither: device randomness
+        if state is None:
+            offset = torch.zeros(1, dtype=torch.long, device=feats.device)
+        else:
+            offset = state["offset"]
+        x = self.embed(x)
+        new: State = {}
+        for i, layer in enumerate(self.layers):
+            cached = (None, None, None) if state is None else (
+                state[f"k{i}"], state[f"v{i}"], state[f"conv{i}"])
+            x, new[f"k{i}"], new[f"v{i}"], new[f"conv{i}"] = layer(x, *cached, offset)
+        new["offset"] = offset + feats.shape[1]
+        return x, new
+
+
+# -- the adapter ------------------------------------------------------------------------------
+
+CLOCKS = {"prompt": PROMPT, "window": WINDOW, "chunk": CHUNKS[0], "chunk_long": CHUNKS[1],
+          "conv_context": KERNEL - 1, "batch": 1, "heads": HEADS, "head_dim": D_MODEL // HEADS,
+          "d_model": D_MODEL}
+
+
+def _kv(name: str) -> Region:
+    # The window enters the first cached call at the prompt's extent (16) and is capped at W = 24.
+    # Steady chunks advance it by 8 or 12; a Region has one advance clock, so the smallest is
+    # declared (16 + 8 and 16 + 12 both cap at 24 here, so the extents are the same).
+    return Region(name=name, input=f"state.{name}", output=f"1.{name}", dim=2,
+                  retention=SlidingWindow("window", start="prompt"), advance="chunk",
+                  room="chunk_long",   # the most frames one call appends before the window drops
+                  ordering=APPEND, shape=("batch", "heads", None, "head_dim"))
+
+
+def _conv(name: str) -> Region:
+    # Full-size left context from the priming pass on: one extent.
+    return Region(name=name, input=f"state.{name}", output=f"1.{name}", dim=2,
+                  retention=SlidingWindow("conv_context", start="conv_context"), advance="chunk",
+                  room="chunk_long", ordering=APPEND, shape=("batch", "d_model", None))
+
+
+CONFORMER_ADAPTER = Adapter(
+    name="streaming-conformer",
+    clocks=CLOCKS,
+    regions=tuple(r for i in range(LAYERS)
+                  for r in (_kv(f"k{i}"), _kv(f"v{i}"), _conv(f"conv{i}"))),
+    call_frames=("chunk", "chunk_long"), call_input="feats", call_dim=1,
+    admission="chunk",          # the flush: whatever is left, narrower than a chunk
+    effects=Effects(device_rng=True),
+    description="chunked streaming conformer: RoPE attention over a W-frame window, causal conv",
+)
+
+
+# -- streams --------------------------------------------------------------------------------
+
+def make_model(seed: int = 0) -> StreamingConformer:
+    return StreamingConformer(seed=seed).eval()
+
+
+def prompt_feats(speaker: int) -> torch.Tensor:
+    """The speaker's fixed 16-frame prompt."""
+    return torch.randn(1, PROMPT, BINS, generator=torch.Generator().manual_seed(1000 + speaker))
+
+
+def chunk_feats(widths: Sequence[int], seed: int) -> List[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, w, BINS, generator=g) for w in widths]
+
+
+def clone_state(state: State) -> State:
+    return {k: v.clone() for k, v in state.items()}
+
+
+def prime(step, speaker: int) -> State:
+    """The priming pass: the speaker's prompt without caches; returns the turn's starting state."""
+    with torch.no_grad():
+        return step(prompt_feats(speaker), None)[1]
+
+
+def run_turns(step, turns: Sequence[Tuple[int, Sequence[int]]], seed: int):
+    """Run ``turns`` -- (speaker, chunk widths), each re-primed from the speaker's prompt -- under
+    ``torch.manual_seed(seed)``. Returns, per call (priming included), the output and the state it
+    returned, cloned, and the generator state at the end."""
+    torch.manual_seed(seed)
+    calls = []
+    for t, (speaker, widths) in enumerate(turns):
+        with torch.no_grad():
+            out, state = step(prompt_feats(speaker), None)
+            calls.append((out.clone(), clone_state(state)))
+            for x in chunk_feats(widths, seed=seed * 100 + t):
+                out, state = step(x, state)
+                calls.append((out.clone(), clone_state(state)))
+    return calls, torch.get_rng_state()
