@@ -13,6 +13,7 @@ _MODULES: Dict[str, str] = {
     "minicpmo-token2wav": "minicpmo_token2wav",
     "minicpmo-token2wav-hift": "minicpmo_token2wav",
     "minicpmo-token2wav-flow": "minicpmo_token2wav",
+    "minicpmo-token2wav-cfm": "minicpmo_token2wav",
     "moshi": "moshi",
     "moshi-mimi": "moshi",
     "personaplex": "moshi",

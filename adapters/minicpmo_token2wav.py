@@ -45,6 +45,7 @@ CONFORMER_ATT = Region(
 HIFT_MEL = Region(
     name="hift_mel_cache", input="hift_cache.mel", output="1.mel", dim=2,
     retention=SlidingWindow("mel_cache"), advance="f_chunk", ordering=APPEND,
+    room="f_call",   # the last call of a turn appends 56 frames before the window keeps 8
     shape=("batch", "mel_bins", None))
 HIFT_SOURCE = Region(
     name="hift_source_cache", input="hift_cache.source", output="1.source", dim=2,
@@ -87,5 +88,11 @@ TOKEN2WAV_FLOW = dataclasses.replace(
     priming=("flow.setup_cache",),
     description="MiniCPM-o 4.5 Token2Wav flow: conformer encoder + CFM decoder")
 
+# The CFM decoder step alone (``cadence_fx.models.token2wav.CFMStep``: the DiT solver loop +
+# retention of its attention cache): the two estimator regions, the call width in mel frames.
+TOKEN2WAV_CFM = dataclasses.replace(
+    TOKEN2WAV, name="minicpmo-token2wav-cfm", regions=(ESTIMATOR_ATT, ESTIMATOR_CNN),
+    description="MiniCPM-o 4.5 Token2Wav CFM decoder (DiT, 10 Euler steps) with its caches")
+
 ADAPTERS = {"minicpmo-token2wav": TOKEN2WAV, "minicpmo-token2wav-hift": TOKEN2WAV_HIFT,
-            "minicpmo-token2wav-flow": TOKEN2WAV_FLOW}
+            "minicpmo-token2wav-flow": TOKEN2WAV_FLOW, "minicpmo-token2wav-cfm": TOKEN2WAV_CFM}

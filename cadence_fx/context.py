@@ -49,9 +49,11 @@ class Carry:
     def holds(self, t: torch.Tensor) -> bool:
         """Is ``t`` exactly the carry's leading ``frames`` view (same address, layout, offset)?"""
         c = self.tensor
-        return (t.data_ptr() == c.data_ptr() and t.stride() == c.stride() and t.dim() == c.dim()
+        return (t.data_ptr() == c.data_ptr() and t.dim() == c.dim()
                 and all(t.shape[i] == c.shape[i] for i in range(c.dim()) if i != self.dim)
-                and t.shape[self.dim] <= self.extent)
+                and t.shape[self.dim] <= self.extent
+                # the stride of a dim of size 1 is never used: views may set it either way
+                and all(t.stride(i) == c.stride(i) for i in range(c.dim()) if t.shape[i] > 1))
 
 
 @dataclasses.dataclass

@@ -23,6 +23,7 @@ reason.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Callable, List, Optional, Tuple
@@ -74,6 +75,11 @@ class CudaGraphBackend:
                 piece.staging_bytes += s.untyped_storage().nbytes()
             else:
                 static.append(a)
+        # torch.cuda.graph empties the allocator's cache as it starts capturing: do it first, so
+        # the reserved bytes below count the pool's growth, not blocks freed by that
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
         allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         try:
             graph, outs = self._capture(piece, static)

@@ -347,7 +347,7 @@ def run_demo(model: str = "token2wav", device: str = "cpu", chunks: Optional[int
         "model": model, "device": str(dev), "chunks": stream.chunks, "config": stream.config,
         "bit_exact": bit_exact,
         "bit_exact_chunks": sum(equal(a, b) for a, b in zip(ref, second[0])),
-        "carry_addresses": total("carry_addresses"),
+        "carry_addresses": max(s.counters.carry_addresses for s in stream.steps.values()),
         "retentions": total("retentions"),
         "replays": total("replays"), "fallbacks": total("fallbacks"),
         "steady_replays": sum(s["steady_replays"] for s in steps.values()),
