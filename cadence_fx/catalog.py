@@ -123,7 +123,7 @@ def build_catalog(adapter: Adapter) -> Catalog:
         # A sliding window appends a call's frames before it drops old ones, and stock code that
         # writes the pre-retention state into an envelope does the same: one call of room.
         room = 0
-        if r.envelope or isinstance(r.retention, SlidingWindow):
+        if not isinstance(r.retention, Ring) and (r.envelope or isinstance(r.retention, SlidingWindow)):
             room = adapter.clocks[r.room or r.advance]
         declared = bound + room
         stock = None
