@@ -159,7 +159,11 @@ def move(gm: GraphModule, b: RegionBinding, src: int, dst: int, n: int, added=No
     step = min(dist, n)
     starts = list(range(0, n, step))
     if len(starts) > 2:
-        tmp = gm.graph.call_function(aten.clone.default, (_view(gm, b, src, src + n, added),))
+        source = _view(gm, b, src, src + n, added)
+        tmp = gm.graph.call_function(aten.clone.default, (source,))
+        if val(source) is not None:
+            with val(source).fake_mode:
+                tmp.meta["val"] = aten.clone.default(val(source))
         node = copy_(gm, _view(gm, b, dst, dst + n, added), tmp)
         if added is not None:
             added += [tmp, node]
