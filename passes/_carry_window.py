@@ -37,6 +37,7 @@ from ._carry_graph import carry_offset, copy_, propagate_meta
 
 __all__ = ["Window", "find_window", "rewrite_window", "move"]
 
+PIECES_BEFORE_TEMPORARY = 2   # a longer overlapping move goes through one temporary (two copies)
 _THROUGH = {aten.clone.default, aten.detach.default, aten.alias.default}
 _SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default}
 
@@ -101,8 +102,8 @@ def rewrite_window(gm: GraphModule, b: RegionBinding, w: Window, keep_stock: boo
         for n in gm.graph.nodes:
             if n is w.cat:
                 after = True
-            elif after and n.op != "output" and any(
-                    _key_in(storage_key(a), b.storages) for a in n.all_input_nodes):
+            elif after and any(_key_in(storage_key(a), b.storages) for a in n.all_input_nodes):
+                # (the output too: a result that is the old state would be copied after the move)
                 if w.order == PREPEND:
                     return f"{n.name} reads the old state after {w.cat.name} prepends to it"
                 move_first = False
@@ -158,7 +159,7 @@ def move(gm: GraphModule, b: RegionBinding, src: int, dst: int, n: int, added=No
         return
     step = min(dist, n)
     starts = list(range(0, n, step))
-    if len(starts) > 2:
+    if len(starts) > PIECES_BEFORE_TEMPORARY:
         source = _view(gm, b, src, src + n, added)
         tmp = gm.graph.call_function(aten.clone.default, (source,))
         if val(source) is not None:

@@ -26,6 +26,7 @@ from cadence_fx.fx_utils import aten
 from cadence_fx.tracing import leaves_with_paths, trace_step
 
 carry_pass = importlib.import_module("cadence_fx.passes.carry_retention")  # the module, not the function
+carry_window = importlib.import_module("cadence_fx.passes._carry_window")
 
 CAT, COPY, INDEX_COPY = aten.cat.default, aten.copy_.default, aten.index_copy_.default
 
@@ -292,22 +293,25 @@ def test_rewrite_removes_the_stock_concatenation(module, frames):
 
 def test_overlapping_envelope_retention_moves_in_place():
     """X is the carry itself (the envelope was replaced by it): dst [P, P+R) and src [L-R, L)
-    overlap, so the move is split into disjoint pieces copied low to high."""
+    overlap. Split into disjoint pieces it would take 3 copies, so it goes through one temporary:
+    a clone and a copy."""
     named = {"x": _state(2, 1), "cache": _state(8, 2)}  # L = 10, P = 2, R = 6: shift 2, 3 pieces
     result, ctx, before, after = _carry_pass(EnvelopeRetain(), ENVELOPE, **named)
     assert result.modified
     assert _kinds(ctx) == ["envelope", "retention"] and not ctx.records["near_misses"]
-    assert (before[COPY], after[COPY]) == (1, 1 + 3)
+    assert (before[COPY], after[COPY]) == (1, 1 + 1)
+    assert len([n for n in result.graph_module.graph.nodes if n.target is aten.clone.default]) == 1
     assert "buffer" not in [s.kind for s in ctx.inputs]  # the envelope placeholder is gone
     got = _run_rewritten(result.graph_module, ctx, EnvelopeRetain(), named)
     _assert_equal_outputs(got, _stock(EnvelopeRetain, named))
 
 
-def test_overlapping_move_with_a_partial_chunk():
+def test_a_long_overlapping_move_goes_through_one_temporary():
     named = {"x": _state(1, 1), "cache": _state(8, 2)}  # L = 9: shift 1, six one-frame pieces
     result, ctx, before, after = _carry_pass(EnvelopeRetain(), ENVELOPE, **named)
     assert _kinds(ctx) == ["envelope", "retention"]
-    assert after[COPY] - before[COPY] == 6
+    assert after[COPY] - before[COPY] == 1
+    assert len([n for n in result.graph_module.graph.nodes if n.target is aten.clone.default]) == 1
     _assert_equal_outputs(_run_rewritten(result.graph_module, ctx, EnvelopeRetain(), named),
                           _stock(EnvelopeRetain, named))
 
@@ -550,6 +554,7 @@ def test_auditor_catches_overlapping_moves_copied_high_to_low(monkeypatch):
         return kind
 
     monkeypatch.setattr(carry_pass, "_try_retention", high_to_low)
+    monkeypatch.setattr(carry_window, "PIECES_BEFORE_TEMPORARY", 8)   # the pieces, not a temporary
     with pytest.raises(ShadowMismatch, match=r"retention write of region 'hist'.*at call 4\b"):
         _stream(EnvelopeRetain, ENVELOPE, _state(2), [2] * 6, verify=True)
     with pytest.raises(AssertionError, match=r"call 4: result 1 differs from stock"):

@@ -278,7 +278,7 @@ def test_compiled_chunk_launches_no_more_kernels_than_stock(model, stock, traces
     fewer = {str(op): n for op, n in (theirs.ops - ours.ops).most_common()}
     assert n_ours <= n_stock, (
         f"{n_ours} kernels compiled vs {n_stock} stock; more {more}, fewer {fewer}")
-    assert ours.ops[aten.cat.default] == 0
+    assert theirs.ops[aten.cat.default] - ours.ops[aten.cat.default] >= len(REGIONS)   # each region's
 
 
 def test_priming_pass_runs_compiled(model, stock, traces):
