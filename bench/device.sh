@@ -80,6 +80,8 @@ if [[ $STEP == cold ]]; then
   done
 fi
 if [[ $STEP == sessions ]]; then
+  # BENCH_ARGS=--churn+--ns=1,2,4,8,12,14,16: the churn mode instead (speakers arrive every 3 rounds,
+  # each primed inline with its own prompt; about 6 minutes at depth 16); results under "churn"
   python3 bench/sessions.py --out "$OUT/sessions.json" ${BENCH_ARGS//+/ } > "$OUT/sessions.out" 2>&1; echo "sessions rc $?"; tail -20 "$OUT/sessions.out"
 fi
 if [[ $STEP == reliability ]]; then

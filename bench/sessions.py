@@ -24,6 +24,11 @@ growth per added session. Deterministic kernels are pinned on both sides (stock 
 reproducible without them); every session samples from its own generator (seeded 1000 + its
 index, swapped in around its chunks on both paths), and session 0's PCM at every N is compared bit
 for bit with session 0 run alone through the stock path for as many rounds.
+
+``--churn`` serves sessions that come and go instead (``bench/sessions_churn.py``): every
+``--arrive-every`` rounds one session retires and a new speaker, primed inline with its own
+prompt, takes its slot; the result goes under ``churn`` (defaults there: ``--ns
+1,2,4,8,12,14,16``, ``--rounds 12``).
 """
 from __future__ import annotations
 
@@ -149,8 +154,15 @@ def main():
     global DEVICE, BUDGET_MS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--ns", default="1,2,3,4,6,8,10,12,14,16,20,24,32")
-    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--ns", default=None,
+                    help="session counts (default 1,2,3,4,6,8,10,12,14,16,20,24,32; with --churn "
+                         "1,2,4,8,12,14,16)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per N (default 10; --churn 12)")
+    ap.add_argument("--churn", action="store_true",
+                    help="sessions retire and new speakers arrive, each primed inline with its own "
+                         "prompt (bench/sessions_churn.py); results under 'churn'")
+    ap.add_argument("--arrive-every", type=int, default=3,
+                    help="--churn: one session retires and a new speaker arrives every this many rounds")
     ap.add_argument("--depth", type=int, default=16)
     ap.add_argument("--stock-max-round-ms", type=float, default=3000.0,
                     help="once a stock round takes this long, the stock path measures only the N "
@@ -167,6 +179,10 @@ def main():
         ap.error(f"--budget-ms {args.budget_ms} must lie in (0, {DEADLINE_MS:.0f}]: a chunk is "
                  f"{DEADLINE_MS:.0f} ms of audio")
     DEVICE, BUDGET_MS = args.device, args.budget_ms
+    if args.ns is None:
+        args.ns = "1,2,4,8,12,14,16" if args.churn else "1,2,3,4,6,8,10,12,14,16,20,24,32"
+    if args.rounds is None:
+        args.rounds = 12 if args.churn else 10
     past_ns = {int(n) for n in args.past_ns.split(",") if n}
     if not 2 <= args.past_rounds <= args.rounds:
         ap.error(f"--past-rounds {args.past_rounds} must lie in [2, --rounds {args.rounds}]: a "
@@ -175,6 +191,8 @@ def main():
     ns = [int(n) for n in args.ns.split(",")]
     flow = FlowStep(build_flow(args.depth, device=DEVICE))
     hift = HiFTStep(build_hift(device=DEVICE))
+    if args.churn:
+        return churn_main(args, flow, hift)
     spk, prompt = prime_flow(flow, device=DEVICE)
     tokens = chunk_inputs(max(ns), args.rounds)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -242,6 +260,26 @@ def main():
     result["base_memory_allocated"] = base
     save()
     print(json.dumps({k: v for k, v in result.items() if k not in ("stock", "cadence")}, indent=1))
+
+
+def churn_main(args, flow, hift):
+    """``--churn``: the churn rows go under ``churn`` of ``--out``; a result file already there
+    (the plain mode's) keeps its keys."""
+    import sessions_churn
+    result = {}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            result = json.load(f)
+    for k, v in {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "commit": os.environ.get("CADENCE_COMMIT", "unknown"), "depth": args.depth,
+                 "deterministic_kernels": True}.items():
+        result.setdefault(k, v)
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    sessions_churn.run(args, flow, hift, result, save, DEVICE, BUDGET_MS)
 
 
 if __name__ == "__main__":

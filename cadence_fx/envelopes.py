@@ -26,6 +26,20 @@ from .errors import ContractError
 
 __all__ = ["Envelopes"]
 
+
+def _own_methods(cls) -> List[str]:
+    """Public methods the model's classes define (``nn.Module``'s own -- ``parameters``,
+    ``state_dict``, ``to`` -- never read an envelope's values and stay unwrapped)."""
+    base = set(torch.nn.Module.__mro__)
+    names: Dict[str, None] = {}
+    for klass in cls.__mro__:
+        if klass in base:
+            continue
+        for name, value in vars(klass).items():
+            if not name.startswith("_") and inspect.isfunction(value):
+                names.setdefault(name, None)
+    return list(names)
+
 log = logging.getLogger(__name__)
 
 
@@ -107,8 +121,8 @@ class Envelopes:
                   if any(n in sub._buffers for n in names)]
         for path, sub in owners:
             held = [f"{path}.{n}" if path else n for n in names if n in sub._buffers]
-            for name, fn in inspect.getmembers(type(sub), inspect.isfunction):
-                if name.startswith("_") or name in vars(sub):
+            for name in _own_methods(type(sub)):
+                if name in vars(sub):
                     continue
                 setattr(sub, name, self._guarded(getattr(sub, name), f"{type(sub).__name__}.{name}",
                                                  held, adapter))

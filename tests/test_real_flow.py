@@ -88,3 +88,4 @@ def test_a_new_speaker_primes_the_compiled_flow_and_the_envelopes_stay_released(
     assert torch.equal(mel_c, mel_s) and (k.compiled_calls, k.fallbacks) == (2, 0)
     with pytest.raises(ContractError, match="att_cache_buffer.*released"):
         step.flow.decoder.forward_chunk(None)
+    assert len(list(step.parameters())) and step.state_dict() and step.eval() is step  # nn.Module's own

@@ -244,17 +244,18 @@ def test_conv_partial_chunk_classes():
     assert c.auditor.comparisons == {"conv": log.calls, "att": log.calls}
 
 
-def test_priming_pass_falls_back_with_reason():
-    """No input state yet: the prompt's priming pass is eager by construction, and says so."""
+def test_priming_pass_is_a_compiled_class():
+    """No input state yet: the prompt's priming pass is a class of its own; its state is the
+    carry, so the next call absorbs nothing."""
     c = cadence_fx.compile(PromptRetainedToy(), PROMPT_RETAINED_ADAPTER)
     x = torch.randn(1, 24, 64)
     with torch.no_grad():
         y, cache = c(x, None)
         y_ref, cache_ref = PromptRetainedToy()(x, None)
     assert torch.equal(y, y_ref) and torch.equal(cache["att"], cache_ref["att"])
-    assert c.counters.fallbacks == 1 and c.counters.compiled_calls == 0
-    (reason,) = c.counters.reasons
-    assert "region 'att' has no input state" in reason
+    k = c.counters
+    assert (k.fallbacks, k.compiled_calls, dict(k.reasons), k.carry_addresses) == (0, 1, {}, 1)
+    assert c.carries["att"].holds(cache["att"])
 
 
 @pytest.mark.parametrize("name", sorted(TOYS))
