@@ -10,13 +10,13 @@ import torch
 import cadence_fx
 from cadence_fx import adapters
 from graph_compare import difference
+from stock_packages import TOKEN2WAV, require
 
 carry_pass = importlib.import_module("cadence_fx.passes._carry_graph")  # where fake values are recomputed
-token2wav = pytest.importorskip("cadence_fx.models.token2wav")
-try:
-    token2wav.import_stock()
-except ImportError as e:  # pragma: no cover - the CI installs minicpmo and einops
-    pytest.skip(str(e), allow_module_level=True)
+require(*TOKEN2WAV)   # skips only when a third-party package is absent
+from cadence_fx.models import token2wav  # noqa: E402 - the project's own: must import
+
+token2wav.import_stock()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from cadence_fx.cudagraphs import CudaGraphBackend
 from cadence_fx.errors import GuardError
 from cadence_fx.models.toy import (CONV_ADAPTER, NOISY_ADAPTER, PROMPT_RETAINED_ADAPTER,
                                    HostRandomToy, NoisySourceToy, PromptRetainedToy)
+from stock_packages import MOSHI, TOKEN2WAV, require
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -146,6 +147,7 @@ def test_held_outputs_survive_the_next_replay():
     fast = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER, copy_outputs=False)
     _, _, held = _stream(fast, prompt_state, xs, hold=True)
     assert not all(torch.equal(obj, copy) for obj, copy in held)  # overwritten: documented cost
+    assert compiled.counters.replays == fast.counters.replays == len(xs)
 
 
 def test_capture_failure_falls_back_with_the_reason(monkeypatch):
@@ -160,7 +162,7 @@ def test_capture_failure_falls_back_with_the_reason(monkeypatch):
     compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
     ours, addresses, _ = _stream(compiled, prompt_state, xs)
     assert _equal(stock, ours) and len(addresses) == 1
-    assert compiled.counters.replays == 0
+    assert compiled.counters.replays == 0 and compiled.counters.compiled_calls == len(xs)
     assert any("capture failed" in r for r in compiled.counters.reasons)
 
 
@@ -189,6 +191,7 @@ def test_a_capture_that_fails_once_is_warmed_up_and_captured_again(monkeypatch, 
     if warm_up:
         assert b.warmups == len(compiled.classes) and b.captured == len(compiled.classes) - 1
         assert sum("capture failed: RuntimeError" in r for r in c.reasons) == 1
+        assert c.replays + c.fallbacks == c.compiled_calls == len(xs) and c.replays > 0
     else:
         assert b.warmups == 1 and b.captured == len(compiled.classes) == len(captures) - 1
         assert c.fallbacks == 0 and c.replays == len(xs)
@@ -243,6 +246,7 @@ def test_prepare_captures_before_traffic_without_touching_state():
     assert all(torch.equal(prompt_state[k], before[k]) for k in before)
     ours, _, _ = _stream(compiled, prompt_state, xs)
     assert _equal(stock, ours)
+    assert (compiled.counters.replays, compiled.counters.fallbacks) == (len(xs), 0)
 
 
 def test_capture_catalog_before_the_first_chunk():
@@ -262,7 +266,8 @@ def test_capture_catalog_before_the_first_chunk():
 
 
 def test_real_cfm_chunk_is_one_captured_piece():
-    token2wav = pytest.importorskip("cadence_fx.models.token2wav")
+    require(*TOKEN2WAV)
+    from cadence_fx.models import token2wav
     from cadence_fx import adapters
     step = token2wav.CFMStep(token2wav.build_cfm(2, device=DEV))
     spks, prompt = token2wav.prime_cfm(step, device=DEV)
@@ -294,7 +299,8 @@ def test_real_cfm_chunk_is_one_captured_piece():
 def test_copied_dit_calls_give_the_full_trace_on_cuda():
     """Repeated calls traced once, on CUDA fakes under the bench's autocast: node for node the
     full trace (ops, arguments, geometry, storage sharing)."""
-    token2wav = pytest.importorskip("cadence_fx.models.token2wav")
+    require(*TOKEN2WAV)
+    from cadence_fx.models import token2wav
     from cadence_fx.tracing import bind_arguments, trace_step
     from test_splice import difference
     step = token2wav.CFMStep(token2wav.build_cfm(2, device=DEV))
@@ -311,7 +317,8 @@ def test_copied_dit_calls_give_the_full_trace_on_cuda():
 def test_moshi_frame_replays_bit_exact_against_the_stock_loop():
     """Real Mimi + LMGen (2-layer LM to keep the test short) on CUDA: every steady frame replays
     two graphs around the boolean-mask blanking, bit-exact against plain stock eager."""
-    M = pytest.importorskip("cadence_fx.models.moshi")
+    require(*MOSHI)
+    from cadence_fx.models import moshi as M
     mimi = M.build_mimi(device=DEV)
     lm_gen = M.build_lm_gen(device=DEV, seed=1, overrides=M.SMALL_LM, dtype=torch.float32)
     g = torch.Generator().manual_seed(3)
@@ -335,7 +342,7 @@ def test_moshi_frame_replays_bit_exact_against_the_stock_loop():
                 for a, b in zip(s, o)) for s, o in zip(stock, ours)]
     assert same == [True] * 10
     k = compiled.counters
-    assert k.fallbacks == 0 and k.replays > 0 and k.eager_pieces > 0
+    assert (k.compiled_calls, k.fallbacks) == (10, 0) and k.replays > 0 and k.eager_pieces > 0
 
 
 def test_freeze_omni_replays_bit_exact():
@@ -368,7 +375,8 @@ def test_real_cfm_primes_new_speakers_through_the_compiled_step_with_released_en
     """Each new speaker's cache-free prompt pass (302 frames, no state) is a class of its own,
     captured like the others: with ``release_envelopes=True`` and ``strict=True`` two speakers
     are primed and streamed, every call replays, the 2.1 GB envelope stays released."""
-    token2wav = pytest.importorskip("cadence_fx.models.token2wav")
+    require(*TOKEN2WAV)
+    from cadence_fx.models import token2wav
     from cadence_fx import adapters
     adapter = adapters.get("minicpmo-token2wav").select("estimator_att_cache", "estimator_cnn_cache")
 

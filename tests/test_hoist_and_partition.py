@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import cadence_fx
+from cadence_fx.catalog import build_catalog
 from cadence_fx.context import PassContext
 from cadence_fx.contract import APPEND, Adapter, Region, SlidingWindow
 from cadence_fx.counters import Counters
@@ -218,6 +219,10 @@ def _stream(make, calls=5, *, seed=0, rng_seed=None, **compile_kw):
         for k, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), f"call {i + 1}: result {k} differs from stock"
         got_cache, ref_cache = got[1], want[1]
+    # every call is in the catalog (extents 0, 2, 4; width 2): each one ran a compiled class
+    k = c.counters
+    assert (k.calls, k.compiled_calls, k.fallbacks, dict(k.reasons)) == (calls, calls, 0, {})
+    assert len(c.classes) == k.traces == min(calls, 3)
     return c
 
 
@@ -300,6 +305,7 @@ def _caller_writes_the_returned_table(module, seed):
         got[2].zero_()
         want[2].zero_()
         got_cache, ref_cache = got[1], want[1]
+    assert (c.counters.compiled_calls, c.counters.fallbacks) == (3, 0)
 
 
 def test_returned_table_may_be_written_by_the_caller():
@@ -493,6 +499,42 @@ def test_extent_outside_the_catalog_falls_back_with_reason():
     assert k.reasons[reason] == 2
 
 
+# Two windows advancing together, 2 frames a call: "long" keeps 4 frames (extents 0, 2, 4), "short"
+# keeps 2 (extents 0, 2). Each extent is in its region's catalog, but together they only reach
+# (0, 0), (2, 2) and (4, 2).
+TWO_WINDOWS = Adapter(
+    name="two-windows", clocks={"long": 4, "short": 2, "c": 2, "d": 3, "b": 1},
+    regions=tuple(Region(name=n, input=n, output=str(i + 1), dim=2, retention=SlidingWindow(n),
+                         advance="c", ordering=APPEND, shape=("b", "d", None))
+                  for i, n in enumerate(("long", "short"))),
+    call_frames=("c",), call_input="x", call_dim=2, admission="c")
+
+
+class TwoWindows(nn.Module):
+    def forward(self, x, long, short):
+        y = x * 2 + long.sum(2, keepdim=True) - short.sum(2, keepdim=True)
+        return y, _window(x, long, 4), _window(x, short, 2)
+
+
+def test_extents_that_never_occur_together_fall_back_with_reason():
+    """The caller restarts one region only: (4, 0) is in no class of the joint catalog, so the
+    call runs stock with the reason (no new class is traced); the next call is back in it."""
+    assert [e for e, _ in build_catalog(TWO_WINDOWS).classes] == [(0, 0), (2, 2), (4, 2)]
+    g = torch.Generator().manual_seed(3)
+    c, stock = cadence_fx.compile(TwoWindows(), TWO_WINDOWS), TwoWindows()
+    got = want = (None, torch.zeros(1, 3, 0), torch.zeros(1, 3, 0))
+    for i in range(5):
+        x = torch.randn(1, 3, 2, generator=g)
+        if i == 3:   # long holds 4 frames; short starts again from nothing
+            got, want = (None, got[1], torch.zeros(1, 3, 0)), (None, want[1], torch.zeros(1, 3, 0))
+        with torch.no_grad():
+            got, want = c(x, got[1], got[2]), stock(x, want[1], want[2])
+        _equal(list(got), list(want))
+    k = c.counters
+    assert dict(k.reasons) == {"region extents (4, 0) never occur together in the catalog": 1}
+    assert (k.compiled_calls, k.fallbacks, k.traces) == (4, 1, 3)
+
+
 def test_strict_raises_on_a_width_the_adapter_does_not_admit():
     c = cadence_fx.compile(ConvLeftContextToy(), CONV_ADAPTER, strict=True)
     with pytest.raises(GuardError, match=r"call width 5 is neither a declared call width \[4\] "
@@ -547,3 +589,4 @@ def test_state_attributes_are_not_constants_but_literals_are():
             got, want = c(x, got_cache), stock(x, ref_cache)
         _equal(list(got), list(want))
         got_cache, ref_cache = got[1], want[1]
+    assert (c.counters.compiled_calls, c.counters.fallbacks) == (4, 0)

@@ -7,12 +7,12 @@ import torch
 
 import cadence_fx
 from cadence_fx import adapters
+from stock_packages import TOKEN2WAV, require
 
-token2wav = pytest.importorskip("cadence_fx.models.token2wav")
-try:
-    token2wav.import_stock()
-except ImportError as e:  # pragma: no cover
-    pytest.skip(str(e), allow_module_level=True)
+require(*TOKEN2WAV)   # skips only when a third-party package is absent
+from cadence_fx.models import token2wav  # noqa: E402 - the project's own: must import
+
+token2wav.import_stock()
 
 LAST = [False, False, True] * 2   # two turns of three calls; each turn ends with last_chunk
 
@@ -52,7 +52,8 @@ def test_flow_stream_bit_exact_with_three_carries():
     verdicts, addresses = _lockstep(step, compiled, spk, prompt, tokens)
     assert verdicts == [True] * len(LAST)
     c = compiled.counters
-    assert c.fallbacks == 0 and c.traces == 3 and c.retentions == 4  # both caches, once a turn
+    assert (c.compiled_calls, c.fallbacks) == (len(LAST), 0)
+    assert c.traces == 3 and c.retentions == 4  # both caches, once a turn
     for region in ("estimator_att_cache", "estimator_cnn_cache", "conformer_att_cache"):
         assert len(addresses["ours"][region]) == 1, region
     assert len(addresses["stock"]["conformer_att_cache"]) > 1

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import cadence_fx
+from stock_packages import TOKEN2WAV, require
 
-token2wav = pytest.importorskip("cadence_fx.models.token2wav")
-try:
-    token2wav.import_stock()
-except ImportError as e:  # pragma: no cover
-    pytest.skip(str(e), allow_module_level=True)
+require(*TOKEN2WAV)   # skips only when a third-party package is absent
+from cadence_fx.models import token2wav  # noqa: E402 - the project's own: must import
+
+token2wav.import_stock()
 
 TURN = [50, 50, 50, 56]
 

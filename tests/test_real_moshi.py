@@ -7,12 +7,12 @@ import torch
 
 import cadence_fx
 from cadence_fx import adapters
+from stock_packages import MOSHI, require
 
-M = pytest.importorskip("cadence_fx.models.moshi")
-try:
-    M.import_stock()
-except ImportError as e:  # pragma: no cover
-    pytest.skip(str(e), allow_module_level=True)
+require(*MOSHI)   # skips only when a third-party package is absent
+from cadence_fx.models import moshi as M  # noqa: E402 - the project's own: must import
+
+M.import_stock()
 
 
 def _frames(n, seed=3):

@@ -1,17 +1,16 @@
 """``release_envelopes=True`` on the real CFM chunk (DiT depth 2): the stock (16, 16, 2, 8, 1000,
 128) envelope is freed once the carries replace it, every class still compiles (the carry pass
 reads the envelope's undeclared rows while it is given back), the stream stays bit-exact."""
-import pytest
 import torch
 
 import cadence_fx
 from cadence_fx import adapters
+from stock_packages import TOKEN2WAV, require
 
-token2wav = pytest.importorskip("cadence_fx.models.token2wav")
-try:
-    token2wav.import_stock()
-except ImportError as e:  # pragma: no cover
-    pytest.skip(str(e), allow_module_level=True)
+require(*TOKEN2WAV)   # skips only when a third-party package is absent
+from cadence_fx.models import token2wav  # noqa: E402 - the project's own: must import
+
+token2wav.import_stock()
 
 WIDTHS = [50, 50, 50, 56, 50, 50]
 RESET_AT = 4

@@ -5,12 +5,12 @@ import torch
 
 import cadence_fx
 from cadence_fx import adapters
+from stock_packages import TOKEN2WAV, require
 
-token2wav = pytest.importorskip("cadence_fx.models.token2wav")
-try:
-    token2wav.import_stock()
-except ImportError as e:  # pragma: no cover - the CI installs minicpmo and einops
-    pytest.skip(str(e), allow_module_level=True)
+require(*TOKEN2WAV)   # skips only when a third-party package is absent
+from cadence_fx.models import token2wav  # noqa: E402 - the project's own: must import
+
+token2wav.import_stock()
 
 WIDTHS = [50, 50, 50, 56, 50, 50]   # the 56-frame last call ends turn one; turn two restarts at 302
 RESET_AT = 4

@@ -74,16 +74,21 @@ def test_fallback_in_mid_stream_keeps_module_buffers_in_step():
     compiled = cadence_fx.compile(PositionBuffer(), ADAPTER)
     got = _loop(compiled, xs)
     assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0]))
-    assert compiled.counters.fallbacks == 1
+    k = compiled.counters
+    assert (k.compiled_calls, k.fallbacks) == (4, 1)
+    assert k.reasons == {"call width 6 is neither a declared call width [4] nor admitted "
+                         "(admission f_chunk = 4)": 1}
 
 
 def test_module_state_attribute_is_advanced_once_per_call():
     xs = _xs([4] * 5)
     stock, model = PositionAttribute(), PositionAttribute()
     ref = _loop(stock, xs)
-    got = _loop(cadence_fx.compile(model, ADAPTER), xs)
+    compiled = cadence_fx.compile(model, ADAPTER)
+    got = _loop(compiled, xs)
     assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0]))
     assert torch.equal(stock.pos, model.pos)
+    assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (5, 0)
 
 
 def test_untraceable_class_runs_stock_with_the_reason():
@@ -281,3 +286,4 @@ def test_state_of_another_dtype_is_a_contract_error():
     assert compiled.counters.traces == 0
     with torch.no_grad():   # the declared width is honoured: the same call in float32 runs
         compiled(x, cache)
+    assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (1, 0)

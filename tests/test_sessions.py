@@ -1,9 +1,11 @@
 """Session pools: many conversations over one compiled step. A session's outputs never depend on
 which sessions ran between its chunks (bit-exact against the session run alone), whatever the
 interleaving, turn resets and calls outside the catalog; bad ids get a clear error."""
+import collections
 import os
 import random
 import re
+from typing import Optional
 
 import pytest
 import torch
@@ -11,7 +13,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import cadence_fx
+from cadence_fx.catalog import build_catalog
 from cadence_fx.models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
+from replay_stand_in import StandInBackend
+from schedule_share import CompiledShare
 
 SEED_WIDTHS = (8, 8, 8, 10, 8, 4)   # 8: steady, 10: the longer last call, 4: a partial flush
 # The long run (on the device: CADENCE_FX_SCHEDULES=10000 CADENCE_FX_DEVICE=cuda) uses the same test.
@@ -38,10 +43,55 @@ def shared(toy):
     return cadence_fx.compile(toy[0], PROMPT_RETAINED_ADAPTER)
 
 
-def _chunks(n, seed, widths=SEED_WIDTHS):
+def _chunks(n, seed, widths=SEED_WIDTHS, first=None):
+    """``n`` chunks of widths drawn from ``widths``; ``first`` fixes the first one's."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    return [torch.randn(1, rng.choice(widths), 64, generator=g).to(DEVICE) for _ in range(n)]
+    drawn = [rng.choice(widths) for _ in range(n)]
+    if first is not None:
+        drawn[0] = first
+    return [torch.randn(1, w, 64, generator=g).to(DEVICE) for w in drawn]
+
+
+# What admission must do with each chunk of a session, from the adapter's numbers: the extent
+# follows the stock retention (prompt + last frames), and a call runs a compiled class only at a
+# catalog extent with a width the adapter admits; otherwise the stock step, with this reason.
+_CATALOG = build_catalog(PROMPT_RETAINED_ADAPTER)
+_EXTENTS = sorted(_CATALOG.region("att").extents)                        # [24, 32, 40]
+_WIDTHS = list(PROMPT_RETAINED_ADAPTER.call_widths())                     # [8, 10]
+_ADMITTED = set(range(1, PROMPT_RETAINED_ADAPTER.clocks["f_chunk"] + 1)) | set(_WIDTHS)
+
+
+def _refusal(extent: int, width: int) -> Optional[str]:
+    if extent not in _EXTENTS:
+        return (f"region 'att' extent {extent} is not in the catalog {_EXTENTS} derived from its "
+                "retention clocks")
+    if width not in _ADMITTED:
+        return (f"call width {width} is neither a declared call width {_WIDTHS} nor admitted "
+                f"(admission f_chunk = {PROMPT_RETAINED_ADAPTER.clocks['f_chunk']})")
+    return None
+
+
+def _admission(chunks, resets):
+    """Per chunk of one session: ``(class, reason)``, the class ``(extent, width)`` a compiled
+    call runs, or the reason the stock step runs it (the other is None)."""
+    plan, extent = [], _EXTENTS[0]
+    for i, x in enumerate(chunks):
+        if i in resets:
+            extent = _EXTENTS[0]
+        w = x.shape[1]
+        reason = _refusal(extent, w)
+        plan.append((None if reason else (extent, w), reason))
+        extent = min(extent + w, _EXTENTS[-1])
+    return plan
+
+
+@pytest.fixture
+def share(request):
+    """The share of each schedule's calls on the compiled path; one summary line per test."""
+    tally = CompiledShare(request.node.name)
+    yield tally
+    print(tally.summary())
 
 
 def _alone(model, prompt, chunks, resets):
@@ -114,11 +164,16 @@ def test_prompt_state_is_never_written(toy):
     before = {k: v.clone() for k, v in prompts[0].items()}
     pool = cadence_fx.SessionPool(cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER))
     a, b = pool.open(prompts[0]), pool.open(prompts[0])   # two sessions, one prompt
-    for x in _chunks(4, seed=3):
+    xs = _chunks(4, seed=3)
+    for x in xs:
         pool.step(a, x)
         pool.step(b, x)
     assert all(torch.equal(before[k], prompts[0][k]) for k in before)
     assert torch.equal(pool.step(a, _chunks(1, 9)[0])[0], pool.step(b, _chunks(1, 9)[0])[0])
+    plan = _admission(xs + _chunks(1, 9), set())
+    k = pool.compiled.counters
+    assert k.compiled_calls == 2 * sum(cls is not None for cls, _ in plan) > 0
+    assert k.reasons == collections.Counter(r for _, r in plan + plan if r)
 
 
 def test_bad_session_ids_and_state_arguments(toy):
@@ -153,40 +208,119 @@ def test_a_call_outside_the_pool_is_detected_not_silently_mixed_in(toy):
     assert torch.equal(pool.step(a, x)[0], model(x, prompts[0])[0])
 
 
+def _schedule(seed, lengths, odd):
+    """Chunks and resets of each session; session 0 starts with a steady chunk, so every
+    schedule has a call the compiled path must run."""
+    widths = SEED_WIDTHS + ((13, 3) if odd else ())
+    rng = random.Random(seed)
+    chunks = [_chunks(n, seed + s, widths, first=8 if s == 0 else None)
+              for s, n in enumerate(lengths)]
+    resets = [{i for i in range(1, n) if rng.random() < 0.25} for n in lengths]
+    return chunks, resets
+
+
+def _delta(counted, counters):
+    """Counters gained since ``counted`` (an ``as_dict()``), reasons as a Counter."""
+    now = counters.as_dict()
+    gained = {k: now[k] - counted[k] for k in ("calls", "compiled_calls", "replays", "fallbacks",
+                                              "invalidations")}
+    reasons = collections.Counter(now["reasons"])
+    gained["reasons"] = reasons - collections.Counter(counted["reasons"])
+    return gained
+
+
 @settings(max_examples=SCHEDULES, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), lengths=st.lists(st.integers(1, 6), min_size=1, max_size=3),
        odd=st.booleans())
-def test_random_schedules_stay_bit_exact(toy, shared, seed, lengths, odd):
+def test_random_schedules_stay_bit_exact(toy, shared, share, seed, lengths, odd):
     """Random interleavings, resets and widths; ``odd`` adds widths outside the catalog (the
-    stock step runs them) -- every session still equals itself run alone."""
+    stock step runs them) -- every session still equals itself run alone, and each chunk ran
+    the compiled class or the stock step (with the reason) exactly as its extent and width imply."""
     model, prompts = toy
-    widths = SEED_WIDTHS + ((13, 3) if odd else ())
-    rng = random.Random(seed)
-    chunks = [_chunks(n, seed + s, widths) for s, n in enumerate(lengths)]
-    resets = [{i for i in range(1, n) if rng.random() < 0.25} for n in lengths]
+    chunks, resets = _schedule(seed, lengths, odd)
     pool = cadence_fx.SessionPool(shared)
     counted = shared.counters.as_dict()
     outs, _ = _interleaved(pool, prompts[:len(lengths)], chunks, resets, _order(lengths, seed))
     for s, n in enumerate(lengths):
         alone = _alone(model, prompts[s], chunks[s], resets[s])
         assert all(torch.equal(a, b) for a, b in zip(alone, outs[s]))
+    plan = [step for s in range(len(lengths)) for step in _admission(chunks[s], resets[s])]
+    compiled = sum(cls is not None for cls, _ in plan)
+    got = _delta(counted, shared.counters)
+    share.add(got["compiled_calls"], len(plan))
+    assert (got["calls"], got["compiled_calls"]) == (len(plan), compiled)
+    assert got["reasons"] == collections.Counter(r for _, r in plan if r)
+    assert got["fallbacks"] == len(plan) - compiled
+    assert got["replays"] == (compiled if DEVICE == "cuda" else 0)   # one graph per class
     _events(counted, shared.counters)
+
+
+MOVED = "piece_0: fixed-address input(s) ['param inp.weight'] moved (invalidated)"
+OOM = "CUDA out of memory (injected by the test)"
+FAILED = f"piece_0: capture failed: OutOfMemoryError: {OOM}"
 
 
 class _Fragile:
     """The compiled step of the property below, kept apart from ``shared``: its classes get
     invalidated and some captures fail. A class whose capture failed stays eager for good (as
     it should), so after such a schedule the step is compiled afresh over the same traces
-    (``trace_cache``) and later schedules replay again."""
+    (``trace_cache``) and later schedules replay again. On the CPU its pieces are captured and
+    replayed by the stand-in backend (``replay_stand_in``), on CUDA as device graphs.
+
+    ``graphs`` is what the replay guard must find for each class ``(extent, width)``: captured at
+    the current addresses (``live``), captured before the weight moved (``stale``), or a failed
+    capture (``failed``); a class never captured is absent."""
 
     def __init__(self, model):
         self.model, self.traces = model, {}
-        self.step = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER, trace_cache=self.traces)
+        self._compile()
+
+    def _compile(self):
+        backend = StandInBackend() if DEVICE == "cpu" else None   # None: CUDA graphs
+        self.step = cadence_fx.compile(self.model, PROMPT_RETAINED_ADAPTER, trace_cache=self.traces,
+                                       backend=backend)
+        self.graphs = {}
+
+    @property
+    def captured(self) -> int:
+        return getattr(self.step.backend, "captured", 0)
 
     def renew(self):
         self.step.close()
-        self.step = cadence_fx.compile(self.model, PROMPT_RETAINED_ADAPTER, trace_cache=self.traces)
+        self._compile()
+
+    def expect(self, calls, move_at, fail):
+        """What the guard must do over ``calls`` (``(class, reason)`` in call order, see
+        ``_admission``) when the weight moves before call ``move_at`` and, with ``fail``, every
+        capture fails: counts of compiled calls, replays, invalidations and captures, and the
+        reasons of every fallback."""
+        want = collections.Counter()
+        reasons = collections.Counter()
+        for k, (cls, reason) in enumerate(calls):
+            if k == move_at:
+                self.graphs = {c: "stale" if g == "live" else g for c, g in self.graphs.items()}
+            if reason:
+                reasons[reason] += 1
+                continue
+            want["compiled"] += 1
+            graph = self.graphs.get(cls)
+            if graph is None and fail:
+                self.graphs[cls] = "failed"
+                reasons[FAILED] += 1
+            elif graph is None:
+                self.graphs[cls] = "live"
+                want["captures"] += 1
+                want["replays"] += 1
+            elif graph == "live":
+                want["replays"] += 1
+            elif graph == "stale":   # invalidated: eager now, captured again at its next call
+                del self.graphs[cls]
+                want["invalidations"] += 1
+                reasons[MOVED] += 1
+            else:
+                reasons[FAILED] += 1
+        return want, reasons
 
 
 @pytest.fixture(scope="module")
@@ -200,50 +334,56 @@ def fragile(toy):
        odd=st.booleans(), move_weight_at=st.none() | st.integers(0, 17), fresh=st.booleans(),
        fail_captures=st.booleans())
 def test_random_schedules_survive_moved_regions_and_failed_captures(
-        toy, fragile, seed, lengths, odd, move_weight_at, fresh, fail_captures):
+        toy, fragile, share, seed, lengths, odd, move_weight_at, fresh, fail_captures):
     """The same random schedules, while the caller moves things under the compiled step: a weight
     re-allocated mid-schedule (same values, new address: captured classes that bound it are
-    invalidated and re-captured), resets from a re-allocated prompt state (``fresh``), and, with
-    ``fail_captures``, every capture in the schedule raising ``torch.OutOfMemoryError`` (those
-    classes stay eager with the reason). Every session still equals itself run alone, and every
-    fallback has a recorded reason. On the CPU there are no captures or fixed addresses, so only
-    the schedules and re-allocations are exercised; the device run covers the rest
-    (``CADENCE_FX_DEVICE=cuda``)."""
+    invalidated and re-captured), resets from a re-allocated prompt state (``fresh``: the carry
+    does not move, nothing is invalidated), and, with ``fail_captures``, every capture in the
+    schedule raising ``torch.OutOfMemoryError`` (those classes stay eager with the reason).
+    Every session still equals itself run alone, and the compiled calls, replays,
+    invalidations, captures and the reason of every fallback are exactly what the schedule
+    implies."""
     model, prompts = toy
-    widths = SEED_WIDTHS + ((13, 3) if odd else ())
-    rng = random.Random(seed)
-    chunks = [_chunks(n, seed + s, widths) for s, n in enumerate(lengths)]
-    resets = [{i for i in range(1, n) if rng.random() < 0.25} for n in lengths]
+    chunks, resets = _schedule(seed, lengths, odd)
+    order = _order(lengths, seed)
+    plans = [iter(_admission(chunks[s], resets[s])) for s in range(len(lengths))]
+    calls = [next(plans[s]) for s in order]
 
     def before(k):
         if k == move_weight_at:
             model.inp.weight.data = model.inp.weight.data.clone()
 
-    attempts = []
     real_graph = torch.cuda.graph
-    counted = fragile.step.counters.as_dict()
+    counted, captured = fragile.step.counters.as_dict(), fragile.captured
+    want, reasons = fragile.expect(calls, move_weight_at, fail_captures)
 
     class OutOfMemory(real_graph):
         def __enter__(self):
-            attempts.append(1)
-            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+            raise torch.OutOfMemoryError(OOM)
 
     if fail_captures:
         torch.cuda.graph = OutOfMemory
+        if DEVICE == "cpu":
+            fragile.step.backend.fail = torch.OutOfMemoryError(OOM)
     try:
         pool = cadence_fx.SessionPool(fragile.step)
-        outs, _ = _interleaved(pool, prompts[:len(lengths)], chunks, resets, _order(lengths, seed),
+        outs, _ = _interleaved(pool, prompts[:len(lengths)], chunks, resets, order,
                                before=before, fresh=fresh)
     finally:
         torch.cuda.graph = real_graph
+        if DEVICE == "cpu":
+            fragile.step.backend.fail = None
     for s, n in enumerate(lengths):
         alone = _alone(model, prompts[s], chunks[s], resets[s])
         assert all(torch.equal(a, b) for a, b in zip(alone, outs[s]))
-    c = fragile.step.counters
-    assert c.fallbacks == sum(c.reasons.values())
-    _events(counted, c)
-    if attempts:
-        assert any("capture failed: OutOfMemoryError" in r for r in c.reasons)
+    got = _delta(counted, fragile.step.counters)
+    share.add(got["compiled_calls"], len(calls))
+    assert (got["calls"], got["compiled_calls"]) == (len(calls), want["compiled"])
+    assert got["reasons"] == reasons and got["fallbacks"] == sum(reasons.values())
+    assert (got["replays"], got["invalidations"], fragile.captured - captured) == \
+        (want["replays"], want["invalidations"], want["captures"])
+    _events(counted, fragile.step.counters)
+    if FAILED in reasons:
         event("captures failed (injected OutOfMemoryError), those classes stayed eager")
         fragile.renew()
 
@@ -276,4 +416,5 @@ def test_sessions_draw_from_their_own_generators():
         outs[s].append(y.clone())
     for s in range(3):
         assert [torch.equal(a, b) for a, b in zip(refs[s], outs[s])] == [True] * 5
-    assert pool.compiled.counters.fallbacks == 0 and pool.swaps > 0
+    k = pool.compiled.counters
+    assert (k.compiled_calls, k.fallbacks) == (15, 0) and pool.swaps > 0

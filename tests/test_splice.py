@@ -11,16 +11,15 @@ from cadence_fx.errors import ContractError
 from cadence_fx.pipeline import Options
 from cadence_fx.tracing import bind_arguments, trace_step
 from graph_compare import difference
+from stock_packages import TOKEN2WAV, missing
 
 
 # -- the real CFM loop ----------------------------------------------------------------------------
-token2wav = pytest.importorskip("cadence_fx.models.token2wav")
-try:
+_ABSENT = missing(*TOKEN2WAV)   # third-party only: the project's own module must import
+needs_stock = pytest.mark.skipif(bool(_ABSENT), reason=f"needs {', '.join(_ABSENT)}")
+if not _ABSENT:
+    from cadence_fx.models import token2wav
     token2wav.import_stock()
-    _HAVE_STOCK = True
-except ImportError:  # pragma: no cover - the CI installs minicpmo and einops
-    _HAVE_STOCK = False
-needs_stock = pytest.mark.skipif(not _HAVE_STOCK, reason="minicpmo not installed")
 
 
 @pytest.fixture(scope="module")
