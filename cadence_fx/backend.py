@@ -93,8 +93,8 @@ def _map_adapter(adapter: Adapter, gm: torch.fx.GraphModule, step: _DynamoStep) 
                 and _matches(o.meta.get("example_value"), want, r.dim)
                 and cat.lower <= o.meta["example_value"].shape[r.dim] <= cat.declared_extent]
         if len(hits) > 1:  # the result moved out of the input (cat, slices) breaks ties
-            moved = [i for i in hits if _moved_from(outputs[i], region_input)]
-            hits = moved or [i for i in hits if _depends_on(outputs[i], region_input)]
+            moved = [i for i in hits if _reaches(outputs[i], region_input, _moves)]
+            hits = moved or [i for i in hits if _reaches(outputs[i], region_input)]
         if len(hits) != 1:
             log.warning("region %s: %d graph results can be its new state (a step that updates "
                         "the state in place and returns its input hands it back outside the "
@@ -132,7 +132,13 @@ _MOVE_METHODS = {"narrow", "split", "chunk", "clone", "detach", "contiguous", "v
                  "transpose", "permute", "unsqueeze", "squeeze", "flatten"}
 
 
-def _moved_from(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+def _moves(n: torch.fx.Node) -> bool:
+    return (n.op == "call_function" and n.target in _MOVES) or \
+        (n.op == "call_method" and n.target in _MOVE_METHODS)
+
+
+def _reaches(node: torch.fx.Node, source: torch.fx.Node, through=lambda n: True) -> bool:
+    """Is ``source`` an ancestor of ``node`` along nodes ``through`` accepts?"""
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
@@ -141,21 +147,7 @@ def _moved_from(node: torch.fx.Node, source: torch.fx.Node) -> bool:
         if n in seen or not isinstance(n, torch.fx.Node):
             continue
         seen.add(n)
-        moves = (n.op == "call_function" and n.target in _MOVES) or \
-            (n.op == "call_method" and n.target in _MOVE_METHODS)
-        if moves:
-            stack.extend(n.all_input_nodes)
-    return False
-
-
-def _depends_on(node: torch.fx.Node, ancestor: torch.fx.Node) -> bool:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n is ancestor:
-            return True
-        if n not in seen:
-            seen.add(n)
+        if through(n):
             stack.extend(n.all_input_nodes)
     return False
 

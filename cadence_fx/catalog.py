@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 from .errors import ContractError
 from .contract import Adapter, PromptRetained, Region, Ring, SlidingWindow
 
-__all__ = ["RegionCatalog", "Catalog", "build_catalog"]
+__all__ = ["RegionCatalog", "Catalog", "build_catalog", "format_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,3 +143,13 @@ def build_catalog(adapter: Adapter) -> Catalog:
     classes = tuple((e, w) for e in joint for w in widths)
     return Catalog(adapter=adapter.name, regions=tuple(regions), call_widths=tuple(widths),
                    classes=classes, admissible=all(r.admissible for r in regions))
+
+
+def format_bytes(n: Optional[int]) -> str:
+    """A price for people: ``-`` when unknown, else bytes in the largest unit that fits."""
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} B"

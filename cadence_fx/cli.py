@@ -74,18 +74,24 @@ def _adapter_or_error(command: str, spec: str):
         return None
 
 
+def _derive(command: str, spec: str, derive):
+    """``derive(adapter)`` for the adapter ``spec`` names, or None after printing why not."""
+    from cadence_fx.errors import ContractError
+    adapter = _adapter_or_error(command, spec)
+    if adapter is None:
+        return None
+    try:
+        return derive(adapter)
+    except ContractError as e:
+        print(f"cadence-fx {command}: {e}", file=sys.stderr)
+        return None
+
+
 def _analyze(args) -> int:
     from cadence_fx.catalog import build_catalog
-    from cadence_fx.errors import ContractError
-    adapter = _adapter_or_error("analyze", args.adapter)
-    if adapter is None:
+    d = _derive("analyze", args.adapter, lambda adapter: build_catalog(adapter).as_dict())
+    if d is None:
         return 2
-    try:
-        catalog = build_catalog(adapter)
-    except ContractError as e:
-        print(f"cadence-fx analyze: {e}", file=sys.stderr)
-        return 2
-    d = catalog.as_dict()
     if args.json:
         keys = ("name", "extents", "K", "admissible", "stock_bytes", "declared_bytes",
                 "declared_extent", "rho", "staging_bytes_aliased", "staging_bytes_unaliased")
@@ -113,15 +119,9 @@ def _bytes(n) -> str:
 
 
 def _explain(args) -> int:
-    from cadence_fx.errors import ContractError
     from cadence_fx.explain import explain, explain_text
-    adapter = _adapter_or_error("explain", args.adapter)
-    if adapter is None:
-        return 2
-    try:
-        d = explain(adapter)
-    except ContractError as e:
-        print(f"cadence-fx explain: {e}", file=sys.stderr)
+    d = _derive("explain", args.adapter, explain)
+    if d is None:
         return 2
     print(json.dumps(d, indent=2) if args.json else explain_text(d))
     return 0

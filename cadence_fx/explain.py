@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .catalog import Catalog, RegionCatalog, build_catalog
+from .catalog import Catalog, RegionCatalog, build_catalog, format_bytes as _b
 from .contract import Adapter, PromptRetained, Region, Ring
 
 __all__ = ["explain", "explain_text"]
@@ -131,14 +131,6 @@ def explain(adapter: Adapter) -> dict:
 
 
 # -- text ---------------------------------------------------------------------------------------
-
-def _b(n) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n} B"
 
 
 def _c(x: Optional[dict]) -> str:

@@ -12,6 +12,7 @@ import html
 from typing import Dict, Iterable, List, Optional, Sequence
 
 from . import report_charts as charts
+from .catalog import format_bytes as _b
 from .report_rewrites import region_rewrites
 
 __all__ = ["render", "page", "catalog_page", "STYLE"]
@@ -48,15 +49,6 @@ class _Raw(str):
 
 def _e(x) -> str:
     return x if isinstance(x, _Raw) else html.escape(str(x), quote=True)
-
-
-def _b(n) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n} B"
 
 
 def _n(k: int, one: str, many: Optional[str] = None) -> str:
