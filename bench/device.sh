@@ -85,16 +85,23 @@ if [[ $STEP == sessions ]]; then
   python3 bench/sessions.py --out "$OUT/sessions.json" ${BENCH_ARGS//+/ } > "$OUT/sessions.out" 2>&1; echo "sessions rc $?"; tail -20 "$OUT/sessions.out"
 fi
 if [[ $STEP == reliability ]]; then
-  # the long property runs with CUDA graphs: SCHEDULES random session schedules per selected property
-  # (K picks them: stay_bit_exact = plain schedules; survive = moved weights, re-allocated prompt
-  # state and failing captures), in runs of RUN_SCHEDULES with distinct hypothesis seeds from SEED0,
-  # so a job that runs out of time keeps the runs it finished
-  total=${SCHEDULES:-10000}; per=${RUN_SCHEDULES:-1000}; seed=${SEED0:-0}
-  for ((n = 0; n < total; n += per)); do
-    echo "== -k ${K:-random_schedules} --hypothesis-seed=$seed, $per schedules" >> "$OUT/reliability.txt"
-    CADENCE_FX_SCHEDULES=$per CADENCE_FX_DEVICE=cuda python3 -m pytest tests/test_sessions.py \
-      -k "${K:-random_schedules}" --hypothesis-seed=$seed -p no:cacheprovider -q --hypothesis-show-statistics \
-      2>&1 | tee -a "$OUT/reliability.txt" | tail -12
-    seed=$((seed + 1))
+  # the long property runs with CUDA graphs: SCHEDULES random session schedules of the selected
+  # property (K picks it: stay_bit_exact = plain schedules; survive = moved weights, re-allocated
+  # prompt state and failing captures), in runs of RUN_SCHEDULES with distinct hypothesis seeds from
+  # SEED0, PROCS processes side by side on the one GPU (the toy is small: the work is mostly on the
+  # CPU), so a job that runs out of time keeps the runs it finished; all logs end in reliability-K.txt
+  total=${SCHEDULES:-10000}; per=${RUN_SCHEDULES:-1000}; procs=${PROCS:-1}; seed=${SEED0:-0}
+  tag=${K:-random_schedules}; tag=${tag// /_}
+  for ((p = 0; p < procs; p++)); do
+    (for ((n = p * per; n < total; n += procs * per)); do
+       s=$((seed + n / per)); log=$OUT/reliability-$tag-$p.txt
+       echo "== -k ${K:-random_schedules} --hypothesis-seed=$s, $per schedules" >> "$log"
+       CADENCE_FX_SCHEDULES=$per CADENCE_FX_DEVICE=cuda python3 -m pytest tests/test_sessions.py \
+         -k "${K:-random_schedules}" --hypothesis-seed=$s -p no:cacheprovider -q \
+         --hypothesis-show-statistics >> "$log" 2>&1
+     done) &
   done
+  wait
+  cat "$OUT"/reliability-$tag-*.txt > "$OUT/reliability-$tag.txt"; rm "$OUT"/reliability-$tag-*.txt
+  grep -E "passing|failed|passed" "$OUT/reliability-$tag.txt" | sort | uniq -c
 fi

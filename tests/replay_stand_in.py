@@ -6,12 +6,13 @@ inputs (carries, parameters, buffers) are bound to the storage they had at captu
 copies the staged inputs in and runs the piece on the static buffers and the bound storage. So a
 replay the guard should have refused reads what a real graph would read: a weight's old storage
 after the caller re-allocated it, a staged input at the captured layout whatever the call's.
-Every capture is recorded; ``fail`` makes captures fail with that exception's reason.
+Every capture is recorded; ``fail`` makes captures fail with that exception's reason (or, when it
+is a callable, with the exception it returns at that capture, none for a capture that succeeds).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 
@@ -28,7 +29,7 @@ class Capture:
 class StandInBackend:
     name = "stand-in"
 
-    def __init__(self, fail: Optional[BaseException] = None):
+    def __init__(self, fail=None):
         self.fail = fail
         self.captures: List[Capture] = []
         self.failures: List[str] = []
@@ -38,8 +39,9 @@ class StandInBackend:
         return len(self.captures)
 
     def lower(self, piece, args):
-        if self.fail is not None:
-            reason = f"capture failed: {type(self.fail).__name__}: {self.fail}"
+        fail = self.fail() if callable(self.fail) else self.fail
+        if fail is not None:
+            reason = f"capture failed: {type(fail).__name__}: {fail}"
             self.failures.append(f"{piece.piece_name}: {reason}")
             return None, reason
         static, bound = {}, {}
