@@ -280,11 +280,17 @@ class _Fragile:
         self.model, self.traces = model, {}
         self._compile()
 
+    # Weights moved away from while this step's graphs may have bound them. Kept alive, so a moved
+    # weight never lands on an address a stale graph bound (the caching allocator would hand it
+    # back; the guard then rightly finds the address valid and replays, which ``expect`` cannot
+    # foresee). Dropped with the step.
+    retired: list
+
     def _compile(self):
         backend = StandInBackend() if DEVICE == "cpu" else None   # None: CUDA graphs
         self.step = cadence_fx.compile(self.model, PROMPT_RETAINED_ADAPTER, trace_cache=self.traces,
                                        backend=backend)
-        self.graphs = {}
+        self.graphs, self.retired = {}, []
 
     @property
     def captured(self) -> int:
@@ -356,7 +362,8 @@ def test_random_schedules_survive_moved_regions_and_failed_captures(
     calls = [next(plans[s]) for s in order]
 
     def before(k):
-        if k == move_weight_at:
+        if k == move_weight_at:   # the old storage stays alive: the new one cannot take its address
+            fragile.retired.append(model.inp.weight.data)
             model.inp.weight.data = model.inp.weight.data.clone()
 
     real_graph = torch.cuda.graph
