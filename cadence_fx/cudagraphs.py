@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import weakref
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -45,6 +46,7 @@ class CudaGraphBackend:
         self.copy_outputs = copy_outputs
         self.warm_up = warm_up       # warm every piece up before its first capture attempt
         self.pool = None
+        self._graphs = weakref.WeakSet()   # the graphs captured into ``pool`` still alive
         self.captured = 0
         self.capture_seconds = 0.0   # staging, capture and any warm-up of every piece
         self.warmup_seconds = 0.0    # of which the eager warm-up runs
@@ -56,7 +58,10 @@ class CudaGraphBackend:
     def lower(self, piece, args) -> Tuple[Optional[Callable], Optional[str]]:
         if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
             return None, "no CUDA tensor among the piece's inputs"
-        if self.pool is None:
+        if not self._graphs:
+            # A pool whose graphs were all released (every class invalidated, or a capture cut
+            # short) is being freed by the allocator and may not be captured into again: its
+            # handle would trip the allocator's internal assert. Start a new one.
             self.pool = torch.cuda.graph_pool_handle()
         piece.staging_bytes = 0
         start = torch.cuda.Event(enable_timing=True)
@@ -102,6 +107,7 @@ class CudaGraphBackend:
         self.graph_allocated_bytes += torch.cuda.memory_allocated() - allocated
         self.graph_reserved_bytes += torch.cuda.memory_reserved() - reserved
         self.captured += 1
+        self._graphs.add(graph)
         self.staging_bytes += piece.staging_bytes
         fixed_storages = {a.untyped_storage().data_ptr() for a, f in zip(args, piece.fixed)
                           if f and isinstance(a, torch.Tensor)}

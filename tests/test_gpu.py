@@ -97,6 +97,25 @@ def test_pointer_drift_invalidates_and_recovers_bit_exact():
     assert c.replays == len(xs) - 3
 
 
+def test_a_step_whose_every_graph_was_invalidated_captures_again():
+    """One class in use, its weight moved: its only graph is dropped, so the pool it was captured
+    into is released; the next call captures again (into a new pool) and replays."""
+    model, prompt_state, xs = _toy()
+    compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
+    x = xs[0]
+    want = model(x, prompt_state)[0]
+    for i in range(5):
+        if i == 2:
+            model.inp.weight.data = model.inp.weight.data.clone()
+        with torch.no_grad():
+            y, _ = compiled(x, prompt_state)   # always from the prompt: one class, (24, 8)
+        assert torch.equal(y, want)
+    c = compiled.counters
+    assert (c.invalidations, c.replays, compiled.backend.captured) == (1, 4, 2)
+    assert list(c.reasons) == ["piece_0: fixed-address input(s) ['param inp.weight'] moved "
+                               "(invalidated)"]
+
+
 def test_host_randomness_is_rejected():
     model = HostRandomToy().to(DEV)
     xs = [torch.randn(1, 32, 4, device=DEV) for _ in range(5)]
