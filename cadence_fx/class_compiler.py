@@ -138,6 +138,8 @@ def _trace(cs, key, named) -> Optional[TracedStep]:
         log.info("class %s: %s traced at every call: %s", key[0], method, why)
     if cs.trace_cache is not None:
         cs.trace_cache[cache_key] = copy_traced(traced)
+    elif cs.keep_before:
+        cs.before[key] = copy_traced(traced)
     return traced
 
 

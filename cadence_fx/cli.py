@@ -164,7 +164,6 @@ def _stream_report(model: str, chunks: Optional[int], verify: bool) -> str:
     if stream.prepare_compiled is not None:
         stream.prepare_compiled()
     for step in stream.steps.values():
-        step.trace_cache = {} if step.trace_cache is None else step.trace_cache
         step.verify = step.verify or verify
     stream.compiled(lambda i: None)
     notes = {"model": model, "device": "cpu", "chunks": stream.chunks, "shadow audit": verify,

@@ -1,7 +1,7 @@
 """What a compiled step shows: its catalog, memory before/after, counters, and per class the
 rewritten graph with carry writes and partitions marked. ``str(report)`` for a terminal,
 ``_repr_html_`` for a notebook (rendered by ``report_html``; the code before the passes is shown
-when the step was compiled with ``trace_cache={}``)."""
+unless the step was compiled with ``keep_before=False``)."""
 from __future__ import annotations
 
 from typing import Dict, List

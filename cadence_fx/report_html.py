@@ -273,8 +273,8 @@ def _rewrites(c, entry, open_: bool) -> str:
     out = ["<h4>Rewrites, per region</h4>"]
     groups = region_rewrites(c, entry)
     if groups and not groups[0]["before_kept"]:
-        out.append("<p class=note>The trace before the passes was not kept (compile with "
-                   "trace_cache={} to keep it): the lines below are the graph after the passes "
+        out.append("<p class=note>The trace before the passes was not kept (compiled with "
+                   "keep_before=False): the lines below are the graph after the passes "
                    "that touch each carry.</p>")
     for g in groups:
         kinds = ", ".join(dict.fromkeys(w["kind"] for w in g["records"])) or "unchanged"

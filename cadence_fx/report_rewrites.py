@@ -1,8 +1,8 @@
 """The rewrite of one class as code: before/after snippets of the graph's own Python, per region.
 
-The graph before the passes is the class's trace as the trace cache keeps it (compile with
-``trace_cache={}``; the passes rewrite the trace in place, so a class entry alone holds only the
-graph after them). Both graphs are turned into one line of generated code per node and aligned by
+The graph before the passes is the copy of the class's trace the step keeps (``keep_before``,
+on by default) or its trace cache holds (the passes rewrite the trace in place, so a class entry
+alone holds only the graph after them). Both graphs are turned into one line of generated code per node and aligned by
 node name (a pass keeps the names of the nodes it leaves, and new nodes get fresh ones). Lines
 that differ are given to the region they belong to: starting from the region's own nodes (its
 input, its envelope, its new state before; its carry and audit nodes after), changed lines that
@@ -35,7 +35,10 @@ Row = Tuple[str, Optional[int], Optional[int]]   # ("eq" | "del" | "add", before
 
 def before_graph(compiled, entry):
     """``(graph module, input specs)`` of the class's trace before the passes, or None when the
-    step keeps no trace cache."""
+    step kept neither that copy (``keep_before=False``) nor a trace cache."""
+    kept = getattr(compiled, "before", {}).get(entry.key)
+    if kept is not None:
+        return kept.gm, kept.inputs
     cache = getattr(compiled, "trace_cache", None) or {}
     for key, traced in cache.items():
         if key[0] == id(compiled.module) and key[2] == entry.key:

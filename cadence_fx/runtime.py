@@ -49,7 +49,7 @@ class CompiledStep:
                  backend=None, tracing_mode: str = "fake",
                  carries: Optional[Dict[str, Carry]] = None, graphs: bool = True,
                  copy_outputs: bool = True, release_envelopes: bool = False,
-                 trace_cache: Optional[dict] = None):
+                 trace_cache: Optional[dict] = None, keep_before: bool = True):
         self.step = step
         self.adapter = adapter.validate()
         self.catalog: Catalog = build_catalog(adapter)
@@ -62,6 +62,8 @@ class CompiledStep:
         self.copy_outputs = copy_outputs
         self.release_envelopes = release_envelopes
         self.trace_cache = trace_cache    # shared between compiled steps of one module, if given
+        self.keep_before = keep_before    # each class's graph before the passes, for the report
+        self.before: Dict[Tuple, object] = {}   # class key -> its TracedStep before the passes
         self.tracing_mode = tracing_mode
         self.counters = Counters()
         self.auditor = Auditor()
@@ -219,7 +221,7 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
             backend=None, tracing_mode: str = "fake",
             carries: Optional[Dict[str, Carry]] = None, copy_outputs: bool = True,
             options: Optional[Options] = None, release_envelopes: bool = False,
-            trace_cache: Optional[dict] = None) -> CompiledStep:
+            trace_cache: Optional[dict] = None, keep_before: bool = True) -> CompiledStep:
     """Compile a streaming step against an adapter.
 
     ``step`` is a module (its ``forward`` is the step) or a callable; a plain callable names the
@@ -236,7 +238,9 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
     ``trace_cache``, a dict shared between compiled steps of the same module and step function,
     lets a later step reuse the traces of an earlier one (each gets its own copy to rewrite).
     Share it only between steps whose Python behaviour is the same: a trace bakes in every host
-    value the step reads.
+    value the step reads. ``keep_before`` keeps a copy of each class's graph as traced, before the
+    passes rewrite it, for the report's before/after view (``report()``); ``False`` skips the copy
+    (a graph copy per class at compile time) and the report shows the graph after the passes only.
     """
     if tracing_mode != "fake":
         raise ValueError(f"tracing_mode {tracing_mode!r}: cadence_fx traces exact shapes with fake "
@@ -258,4 +262,5 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
     return CompiledStep(step, adapter, module, verify=verify, strict=strict, options=options,
                         backend=backend, tracing_mode=tracing_mode, carries=carries,
                         graphs=graphs, copy_outputs=copy_outputs,
-                        release_envelopes=release_envelopes, trace_cache=trace_cache)
+                        release_envelopes=release_envelopes, trace_cache=trace_cache,
+                        keep_before=keep_before)

@@ -73,7 +73,7 @@ def _stream(**kw):
 
 @pytest.fixture(scope="module")
 def audited():
-    return _stream(verify=True, trace_cache={})
+    return _stream(verify=True)   # the graph before the passes is kept by default
 
 
 def test_the_page_holds_every_region_class_rewrite_and_piece(audited):
@@ -110,8 +110,18 @@ def test_a_rewrite_shows_the_concat_that_went_and_the_carry_writes_that_came(aud
     assert ("write", "+ " + next(t for m, t in after if m == "write")) in p.code
 
 
+def test_the_trace_cache_gives_the_before_graph_too():
+    compiled = _stream(trace_cache={}, keep_before=False)
+    assert compiled.before == {}
+    entry = next(e for k, e in compiled.classes.items() if k[0] == ((40,), 8))
+    att = next(g for g in region_rewrites(compiled, entry) if g["region"] == "att")
+    assert att["before_kept"] and any("aten.cat.default" in t
+                                      for h in att["hunks"] for m, t in h["before"])
+
+
 def test_without_the_trace_the_lines_that_touch_the_carry_are_shown():
-    compiled = _stream()
+    compiled = _stream(keep_before=False)
+    assert compiled.before == {}
     text = compiled._repr_html_()
     _parse(text)
     assert "The trace before the passes was not kept" in text and "before the passes</div>" not in text
