@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from torch.fx import GraphModule, Node
 
@@ -35,11 +35,12 @@ from cadence_fx.fx_utils import aten, is_mutating, mutated_arg, slice_bounds, st
 
 from ._carry_graph import carry_offset, copy_, propagate_meta
 
-__all__ = ["Window", "find_window", "rewrite_window", "move"]
+__all__ = ["Window", "find_window", "window_of", "rewrite_window", "move", "frame_range",
+           "split_sizes", "SPLITS"]
 
 PIECES_BEFORE_TEMPORARY = 2   # a longer overlapping move goes through one temporary (two copies)
 _THROUGH = {aten.clone.default, aten.detach.default, aten.alias.default}
-_SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default}
+SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default}
 
 
 @dataclasses.dataclass
@@ -57,15 +58,24 @@ class Window:
 def find_window(b: RegionBinding, state: Node) -> Union[Window, str]:
     """The window ``state`` takes of a concatenation of the old state and new frames, or why it
     is not one (for the report)."""
-    d = b.region.dim
-    found = _range(state, d)
+    found = frame_range(state, b.region.dim)
     if found is None:
         return "the new state is not a window of a concatenation along the frame dim"
-    cat, start, stop = found
+    return window_of(b, *found)
+
+
+def window_of(b: RegionBinding, cat: Node, start: int, stop: int,
+              is_old: Optional[Callable[[Node, int], bool]] = None) -> Union[Window, str]:
+    """Frames ``[start, stop)`` of ``cat`` as a window of the old state and new frames, or why
+    not. ``is_old(part, frames)`` tells the old state ``C[:frames]`` (by default a leading view
+    of ``b``'s carry)."""
+    d = b.region.dim
     parts = cat.args[0]
     if len(parts) != 2 or any(val(p) is None for p in parts):
         return f"{cat.name} joins {len(parts)} tensors, not the old state and the new frames"
-    old = [carry_offset(p, b, val(p).shape[d]) is True for p in parts]
+    if is_old is None:
+        is_old = lambda p, frames: carry_offset(p, b, frames) is True  # noqa: E731
+    old = [is_old(p, val(p).shape[d]) for p in parts]
     if old == [True, False]:
         order, held, new = APPEND, parts[0], parts[1]
     elif old == [False, True]:
@@ -184,10 +194,10 @@ def _window_node(w: Window, d: int) -> Optional[Node]:
         return None
     (u,) = w.cat.users
     if u.target in (aten.slice.Tensor, aten.narrow.default):
-        return u if _range(u, d) == (w.cat, w.start, w.stop) else None
-    if u.target in _SPLITS:
+        return u if frame_range(u, d) == (w.cat, w.start, w.stop) else None
+    if u.target in SPLITS:
         read = [g for g in u.users if g.users]
-        if len(read) == 1 and _range(read[0], d) == (w.cat, w.start, w.stop):
+        if len(read) == 1 and frame_range(read[0], d) == (w.cat, w.start, w.stop):
             return read[0]
     return None
 
@@ -212,7 +222,7 @@ def _slice_of(gm: GraphModule, src: Node, dim: int, start: int, stop: int) -> No
     return node
 
 
-def _range(node: Node, d: int) -> Optional[tuple]:
+def frame_range(node: Node, d: int) -> Optional[tuple]:
     """``(cat, start, stop)`` if ``node`` is frames ``[start, stop)`` of a concatenation along
     ``d``, reached through slices, narrows, split parts, clones and detaches."""
     v = val(node)
@@ -223,7 +233,7 @@ def _range(node: Node, d: int) -> Optional[tuple]:
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
         return (node, 0, v.shape[d]) if dim % v.dim() == d else None
     if t in _THROUGH:
-        return _range(node.args[0], d)
+        return frame_range(node.args[0], d)
     if t is aten.slice.Tensor or t is aten.narrow.default:
         src = node.args[0]
         sv = val(src)
@@ -239,26 +249,26 @@ def _range(node: Node, d: int) -> Optional[tuple]:
             start = node.args[2] % sv.shape[dim] if node.args[2] < 0 else node.args[2]
             stop = start + node.args[3]
         if dim != d:  # a slice along another dim must keep all of it
-            return _range(src, d) if (start, stop) == (0, sv.shape[dim]) else None
-        inner = _range(src, d)
+            return frame_range(src, d) if (start, stop) == (0, sv.shape[dim]) else None
+        inner = frame_range(src, d)
         return None if inner is None else (inner[0], inner[1] + start, inner[1] + stop)
-    if t is operator.getitem and isinstance(node.args[0], Node) and node.args[0].target in _SPLITS:
+    if t is operator.getitem and isinstance(node.args[0], Node) and node.args[0].target in SPLITS:
         split, index = node.args[0], node.args[1]
         src = split.args[0]
         sv = val(src)
         if sv is None:
             return None
         dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % sv.dim()
-        sizes = _split_sizes(split, sv.shape[dim])
+        sizes = split_sizes(split, sv.shape[dim])
         if dim != d or sizes is None or not 0 <= index < len(sizes):
             return None
-        inner = _range(src, d)
+        inner = frame_range(src, d)
         start = sum(sizes[:index])
         return None if inner is None else (inner[0], inner[1] + start, inner[1] + start + sizes[index])
     return None
 
 
-def _split_sizes(split: Node, size: int) -> Optional[list]:
+def split_sizes(split: Node, size: int) -> Optional[list]:
     arg = split.args[1]
     if split.target is aten.split_with_sizes.default:
         return list(arg)

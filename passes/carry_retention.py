@@ -13,6 +13,9 @@ Cases handled, per declared region (``C`` is the region's carry, ``d`` its frame
   with the slice conditional or not; prepend order too) becomes ``C[l:l+c] = x``, its readers
   read carry views, and the kept frames move down last: no concatenation is left. Kind
   ``retention`` when frames are dropped, ``append`` while the window fills.
+* stacked windows (``_carry_stacked.py``): a state joined (``stack``, or ``cat`` along another
+  dim) from per-layer windows of slices of the old state -- per-layer K/V caches stacked into one
+  tensor -- each written as a window on its carry slice, the kept frames moved once.
 * materialize, the last resort, with its reason in the report: anything else that yields the new
   state (a tail of a fresh result, such as HiFT's source cache) is copied into ``C[:n]`` once,
   after every read of the old state (a ``clone`` of it is copied from its source instead).
@@ -26,6 +29,7 @@ Needs ``meta["val"]`` on the traced nodes. Invariant: the graph's outputs equal 
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Optional
 
@@ -41,6 +45,7 @@ from cadence_fx.tracing import InputSpec
 from ._carry_envelope import replace_envelope
 from ._carry_graph import (carry_offset, copy_, fake_mode, out_values, output_node, set_out_value,
                            slice_)
+from ._carry_stacked import Stacked, find_stacked, rewrite_stacked
 from ._carry_window import find_window, move, rewrite_window
 
 __all__ = ["carry_retention"]
@@ -117,8 +122,16 @@ def _write_state(gm: GraphModule, ctx: PassContext, b: RegionBinding, out: Node)
     stock, window, why = state, None, None
     if _retention_source(state) is None:
         window = find_window(b, state)
-        if isinstance(window, str):
-            window, why = None, window
+        stacked = find_stacked(b, state) if isinstance(window, str) else None
+        if isinstance(stacked, Stacked):
+            window, done = None, rewrite_stacked(gm, b, stacked)
+            if isinstance(done, str):
+                ctx.note("near_miss", r.name, done)
+                why = done
+            else:
+                window = dataclasses.replace(stacked, start=done, stop=done + frames)
+        elif isinstance(window, str):
+            window, why = None, window if stacked is None else f"{window}; {stacked}"
         else:
             done = rewrite_window(gm, b, window, keep_stock=ctx.verify)
             if isinstance(done, str):
@@ -131,10 +144,17 @@ def _write_state(gm: GraphModule, ctx: PassContext, b: RegionBinding, out: Node)
         dst = slice_(gm, b.carry_node, d, 0, frames)
         if window is not None:
             move(gm, b, window.start, 0, frames)   # nothing when the window starts at 0
-            kind = "retention" if window.start or window.stop < window.held + window.added else "append"
-            lo, hi = window.taken
-            detail = (f"{window.cat.name} ({window.order}, {window.held} + {window.added} frames) "
-                      f"became in-place writes; its window [{lo}, {hi}) is C[:{frames}]")
+            kind = "retention" if frames < window.held + window.added else "append"
+            if isinstance(window, Stacked):
+                lo, hi = window.parts[0][1].taken
+                detail = (f"{len(window.parts)} windows ({window.order}, {window.held} + "
+                          f"{window.added} frames: {', '.join(w.cat.name for _, w in window.parts)})"
+                          f" stacked along other dims became in-place writes on their carry "
+                          f"slices; the window [{lo}, {hi}) is C[:{frames}]")
+            else:
+                lo, hi = window.taken
+                detail = (f"{window.cat.name} ({window.order}, {window.held} + {window.added} "
+                          f"frames) became in-place writes; its window [{lo}, {hi}) is C[:{frames}]")
         else:
             kind = _try_retention(gm, b, state, dst) or _materialize(gm, b, state, dst)
             detail = f"new state ({frames} frames) written into C[:{frames}]"
