@@ -16,6 +16,7 @@ belong to the signature.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -175,7 +176,8 @@ def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any]
                  for d in (m._parameters, m._buffers)]
         splicer = RepeatedCalls(repeated, lambda: holder.get("flat", ()))
         try:
-            with torch.no_grad(), splicer, code_deferred():   # the passes generate it
+            # (code_deferred: the passes generate the code, once)
+            with torch.no_grad(), splicer, code_deferred(), _quiet_fake_tensor_log():
                 gm = make_fx(flat_step, tracing_mode=tracing_mode, pre_dispatch=True,
                              _allow_non_fake_inputs=True)(*example)
         finally:
@@ -201,3 +203,16 @@ def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any]
     return TracedStep(gm=gm, inputs=inputs, out_spec=out_spec, out_paths=[p for p, _ in out_leaves],
                       out_constants=constants, out_tensor_index=tensor_idx, seconds=seconds,
                       copied_calls=splicer.copies, refused=dict(splicer.refused))
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """Fake tensors log the full traceback of an op that fails on them (a wrong-shaped call) at
+    ERROR; the failure reaches the caller as a TraceError carrying torch's message instead."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

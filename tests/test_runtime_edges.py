@@ -287,3 +287,23 @@ def test_state_of_another_dtype_is_a_contract_error():
     with torch.no_grad():   # the declared width is honoured: the same call in float32 runs
         compiled(x, cache)
     assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (1, 0)
+
+
+def test_a_wrong_shaped_call_raises_torchs_error_without_a_fake_tensor_traceback(capfd, caplog):
+    """The trace fails on fake tensors, the class runs the stock step with torch's message as
+    its reason, and the stock step raises torch's own error: no fake-tensor traceback on stderr."""
+    from cadence_fx.models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
+    model = PromptRetainedToy()
+    with torch.no_grad():
+        _, state = model(torch.randn(1, 24, 64), None)
+    compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
+        with torch.no_grad():
+            compiled(torch.randn(1, 8, 63), state)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "fake_tensor" not in err
+    (reason,) = compiled._rejected.values()
+    assert "make_fx could not trace" in reason and "same reduction dim" in reason
+    with torch.no_grad():   # the right shape still compiles and runs
+        compiled(torch.randn(1, 8, 64), state)
+    assert compiled.counters.compiled_calls == 1
