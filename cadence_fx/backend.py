@@ -10,13 +10,20 @@ Limits: dynamo flattens the step's results, so a region's output is found by eli
 result with the declared shape, an extent the region can hold, and the region's input among its
 ancestors; when that is ambiguous, or the step updates the state in place and returns its input
 (dynamo hands that back outside the graph), the region is left out and the log says so. One
-compiled model serves one stream: its graphs share one set of carries. Use ``dynamic=False``: the catalog wants exact shapes, not symbolic ones.
+compiled model serves one stream: its graphs share one set of carries.
+
+``dynamic`` may be False, None or True. With None (dynamo's default) the graphs after the first
+recompile are symbolic, with True all are; either way the backend's step is traced again at each
+exact shape the stream reaches (one class per catalog signature), so the kernels and guards stay
+exact-shape; ``dynamic=False`` only saves dynamo's own recompiles of the symbolic graph.
+``report()`` shows what the backend compiled in this process (``compiled_steps()``).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import operator
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -25,9 +32,10 @@ from .catalog import build_catalog
 from .contract import Adapter
 from .errors import ContractError
 
-__all__ = ["cadence_backend"]
+__all__ = ["cadence_backend", "compiled_steps", "report"]
 
 _SHARED_CARRIES: Dict[tuple, dict] = {}
+_STEPS: List[weakref.ref] = []   # every step the backend compiled, for report()
 
 log = logging.getLogger(__name__)
 
@@ -193,9 +201,9 @@ def cadence_backend(gm: torch.fx.GraphModule, example_inputs, *, options: Option
         raise ContractError('backend "cadence" needs options={"adapter": ...}: the adapter '
                             "declaring the model's clocks and regions")
     if any(isinstance(s, torch.SymInt) for t in example_inputs if isinstance(t, torch.Tensor)
-           for s in t.shape):
-        raise ContractError('backend "cadence" compiles exact shapes; call torch.compile(..., '
-                            "dynamic=False)")
+           for s in t.shape):   # dynamo hands real examples; a symbolic one cannot be traced exactly
+        raise ContractError('backend "cadence" was handed symbolic example inputs; call '
+                            "torch.compile(..., dynamic=False)")
     if isinstance(adapter, str):
         from cadence_fx import adapters
         adapter = adapters.get(adapter)
@@ -216,4 +224,36 @@ def cadence_backend(gm: torch.fx.GraphModule, example_inputs, *, options: Option
         return compiled(**{n: a for n, a in zip(names, args) if n in step.args})
 
     run.cadence = compiled  # for inspection: torch.compile hides the backend's object otherwise
+    _STEPS.append(weakref.ref(compiled))
     return run
+
+
+def compiled_steps() -> List:
+    """The steps the backend compiled in this process and that are still alive (one per dynamo
+    graph that receives region state), oldest first."""
+    return [s for s in (r() for r in _STEPS) if s is not None]
+
+
+def report() -> "BackendReport":
+    """What ``torch.compile(..., backend="cadence")`` compiled: each step's report (catalog,
+    rewrites, pieces, counters); HTML in a notebook, text with ``print``."""
+    return BackendReport(compiled_steps())
+
+
+class BackendReport:
+    def __init__(self, steps):
+        self.steps = steps
+
+    def _names(self):
+        return [f"dynamo graph {i} ({s.adapter.name})" for i, s in enumerate(self.steps)]
+
+    def __str__(self):
+        if not self.steps:
+            return "the cadence backend has compiled no step in this process"
+        return "\n\n".join(f"== {n}\n{s.report()}" for n, s in zip(self._names(), self.steps))
+
+    def _repr_html_(self):
+        from .report_html import render
+        if not self.steps:
+            return "<p>the cadence backend has compiled no step in this process</p>"
+        return "".join(render(s.report(), n) for n, s in zip(self._names(), self.steps))

@@ -321,3 +321,47 @@ def test_catalog_captured_before_traffic(model, stock, traces):
     k = c.counters
     assert k.compiled_calls == len(TURNS[0][1]) + 1 and not k.reasons
     assert k.carry_addresses == 1
+
+
+# -- 7. through torch.compile ------------------------------------------------------------------
+
+@pytest.mark.parametrize("dynamic", [None, False])
+def test_torch_compile_backend_streams_the_whole_model_on_the_cadence_path(stock, dynamic):
+    """``torch.compile(backend="cadence")`` over the same turns: dynamo hands one graph per shape
+    (with ``dynamic=None`` symbolic ones after the first recompile; each is traced again at the
+    exact shapes the stream reaches), the priming graphs run as dynamo traced them, and every
+    chunk runs a compiled class: bit-exact, the generator drawn as stock drew it."""
+    from torch._dynamo import register_backend
+
+    import cadence_fx.backend
+    steps = []
+
+    def spy(gm, example_inputs, **kwargs):
+        run = cadence_fx.backend.cadence_backend(gm, example_inputs, **kwargs)
+        steps.append(getattr(run, "cadence", None))   # None: a priming graph, run as traced
+        return run
+
+    register_backend(name=f"cadence_spy_{dynamic}")(spy)
+    torch._dynamo.reset()
+    model = make_model()
+    compiled = torch.compile(model, backend=f"cadence_spy_{dynamic}", dynamic=dynamic,
+                             options={"adapter": CONFORMER_ADAPTER})
+    want, want_rng = run_turns(stock, TURNS, seed=7)
+    got, got_rng = run_turns(compiled, TURNS, seed=7)
+    torch._dynamo.reset()
+    _assert_calls_equal(got, want)
+    assert torch.equal(got_rng, want_rng)
+    cadence = [s for s in steps if s is not None]
+    chunks = sum(len(widths) for _, widths in TURNS)
+    assert sum(s.counters.compiled_calls for s in cadence) == chunks
+    assert sum(s.counters.calls for s in cadence) == chunks
+    assert all(s.counters.fallbacks == 0 for s in cadence)
+    assert all(len(s.adapter.regions) == len(REGIONS) for s in cadence)   # every region bound
+    assert None in steps   # the priming pass: its own graph, no region state
+    shown = cadence_fx.backend.report()   # what torch.compile hides: every step it compiled
+    at = [next(i for i, s in enumerate(shown.steps) if s is c) for c in cadence]
+    text, html = str(shown), shown._repr_html_()
+    for i in at:
+        assert f"== dynamo graph {i} (streaming-conformer)" in text
+        assert f"dynamo graph {i} (streaming-conformer)" in html
+    assert all(f"  {r:<24} extents" in text for r in REGIONS)   # every region, from the catalog
