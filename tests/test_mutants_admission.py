@@ -46,6 +46,16 @@ def test_a_region_key_the_container_lacks_is_a_contract_error_naming_the_select(
     assert (c.counters.calls, c.counters.fallbacks, c.counters.traces) == (1, 0, 0)
 
 
+def test_the_select_names_every_region_the_call_has():
+    c = cadence_fx.compile(Nested(), _adapter("cache.inner.a", "cache.inner.b", "cache.inner.c"))
+    x, a = torch.randn(1, 2, 2), torch.randn(1, 2, 4)
+    with pytest.raises(cadence_fx.ContractError) as e:
+        c(x, {"inner": {"a": a, "b": a}})
+    assert str(e.value) == (
+        "region 'c' of adapter 'two' reads 'cache.inner.c', but the step's 'cache.inner' holds "
+        "['a', 'b']; compile with adapter.select('a', 'b') or fix the region's `input`")
+
+
 def test_a_region_in_an_absent_argument_falls_back_with_the_reason():
     c = cadence_fx.compile(Nested(), _adapter("cache.inner.a", "other.b"))
     x, a = torch.randn(1, 2, 2), torch.randn(1, 2, 4)

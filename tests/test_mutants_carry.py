@@ -47,6 +47,8 @@ class OnlyWindow(nn.Module):
             new = full.chunk(2, 2)[1]
         elif self.form == "chunk-uneven" and steady:   # chunk(3) of 10 frames: [4, 4, 2]
             new = full.chunk(3, 2)[2]
+        elif self.form == "split-one" and steady:      # one-frame parts
+            new = full.split(1, 2)[1]
         elif self.form == "chunk-one":                 # a window of the one part
             new = full.chunk(1, 2)[0][:, :, -w:]
         elif self.form == "slice-of-slice":            # a window of a longer slice
@@ -67,6 +69,7 @@ FORMS = {
     "slice-of-slice": (6, 2, 2, "cat (append, 6 + 2 frames) became in-place writes; its window [2, 8) is C[:6]"),
     "narrow": (6, 2, 3, "cat (append, 6 + 2 frames) became in-place writes; its window [2, 8) is C[:6]"),
     "split": (6, 2, 3, "cat (append, 6 + 2 frames) became in-place writes; its window [2, 8) is C[:6]"),
+    "split-one": (1, 1, 1, "cat (append, 1 + 1 frames) became in-place writes; its window [1, 2) is C[:1]"),
     "split-int": (4, 6, 2, "cat (append, 4 + 6 frames) became in-place writes; its window [6, 10) is C[:4]"),
     "chunk": (6, 6, 1, "cat (append, 6 + 6 frames) became in-place writes; its window [6, 12) is C[:6]"),
     "chunk-uneven": (2, 8, 2, "cat (append, 2 + 8 frames) became in-place writes; its window [8, 10) is C[:2]"),
