@@ -38,6 +38,9 @@ fp32; the regions are entries of ``state`` (result 2, written in place):
 
 The rest of the stock state (ring write offsets, conv ``previous``/``partial`` of the inner SEANet
 layers, execution masks: a few hundred bytes each) travels in the same dict as plain arguments.
+``step.initial_state()`` gives a fresh state (the first one is the modules' own streaming caches;
+the step keeps no second copy), ``step.reset_state(state)`` starts a turn in place, as the stock
+loop's ``reset_streaming`` does (on a compiled step nothing is copied then).
 
 Stock shapes equal the declared ones (rho = 1): these caches are already right-sized by the vendor, so
 here the carry degenerates to the vendor's ring buffers, as the paper notes.

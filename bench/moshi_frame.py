@@ -132,10 +132,10 @@ def cadence_streams(step, compiled, streams, reset_at, ticks=None):
     outs = []
     for s, frames in enumerate(streams):
         seed(100 + s)
-        state, stream = step.initial_state(), []
+        state, stream = (step.reset_state(state) if s else step.initial_state()), []
         for i, frame in enumerate(frames):
-            if i == reset_at:
-                state = step.initial_state()
+            if i == reset_at:   # in place, as the stock loop's reset_streaming
+                state = step.reset_state(state)
             if ticks:
                 ticks(i)
             with torch.no_grad():

@@ -194,15 +194,18 @@ def _moshi(dev, chunks) -> _Stream:
     def compiled(tick):
         seed()
         step, cs = holder["step"], holder["compiled"]
-        outs, state = [], step.initial_state()
+        # a later pass starts its stream in the last one's state, reset in place (the carries)
+        last = holder.get("state")
+        outs, state = [], step.initial_state() if last is None else step.reset_state(last)
         for i, frame in enumerate(frames):
-            if i == reset_at:
-                state = step.initial_state()
+            if i == reset_at:   # in place, as the stock loop's reset_streaming
+                state = step.reset_state(state)
             tick(i)
             with torch.no_grad():
                 pcm, tokens, state = cs(frame, state)
             tick(i)
             outs.append(_clone((pcm, tokens)))
+        holder["state"] = state
         return outs
 
     def prepare():  # the step keeps the modules streaming: built after the stock runs

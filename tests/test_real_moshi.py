@@ -56,6 +56,35 @@ def test_mimi_stream_bit_exact_against_the_stock_loop():
     assert k.absorptions == 6                # 3 regions, absorbed at the start and at the reset
 
 
+def test_a_turn_reset_in_place_copies_nothing_and_the_step_keeps_no_second_state():
+    """``reset_state`` starts the next turn in the state itself, as the stock loop's
+    ``reset_streaming`` does: the compiled step copies nothing at the reset. The step keeps no
+    template of the fresh state (its all-zero rings are remembered by shape), and the modules'
+    own streaming caches are the first ``initial_state()``: once that is copied into the carries
+    and dropped, the carries are the only copy of the state."""
+    mimi = M.build_mimi(seed=0)
+    frames = _frames(4)
+    stock = M.stock_stream(mimi, None, frames, reset_at=2)
+    step = M.MimiStep(mimi)
+    assert not any(isinstance(v, torch.Tensor) and v.numel() > 1000 for v in step._initial.values())
+    compiled = cadence_fx.compile(step, "moshi-mimi")
+    state = step.initial_state()
+    holder = mimi.encoder_transformer.transformer.layers[0].self_attn._streaming_state
+    assert holder.kv_cache.cache.data_ptr() == state["mimi_encoder_kv"].data_ptr()
+    outs = []
+    for i, frame in enumerate(frames):
+        if i == 2:
+            state = step.reset_state(state)
+        with torch.no_grad():
+            codes, pcm, state = compiled(frame, state)
+        outs.append((codes.clone(), pcm.clone()))
+    assert [_same(s[0], o[0]) and _same(s[1], o[1]) for s, o in zip(stock, outs)] == [True] * 4
+    k = compiled.counters
+    assert (k.compiled_calls, k.fallbacks, k.absorptions) == (4, 0, 3)   # the first call only
+    carry = compiled.carries["mimi_encoder_kv"].tensor
+    assert holder.kv_cache.cache.untyped_storage().data_ptr() == carry.untyped_storage().data_ptr()
+
+
 def test_moshi_frame_bit_exact_with_sampling_and_a_turn_reset():
     mimi = M.build_mimi(seed=0)
     lm_gen = M.build_lm_gen(seed=1, overrides=M.SMALL_LM, dtype=torch.float32)

@@ -175,6 +175,16 @@ def _slots(roots: Dict[str, nn.Module], stacks: Dict[str, str]) -> Iterator[_Slo
                     yield _Slot(f"{path}:kv_cache.end_offset", value, "end_offset")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Zeros:
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    def make(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+
 class _ExplicitState(nn.Module):
     """Shared by the thin steps: enter streaming once, bind a state dict per call, read it back."""
 
@@ -184,7 +194,12 @@ class _ExplicitState(nn.Module):
         self._stacks, self._renames = stacks, renames
         for module in enter:
             module.streaming_forever(batch)
-        self._initial = self._read_fresh()
+        fresh = self._read_fresh()
+        self._keep_initial(fresh)
+        # the modules' own streaming caches are let go (bound to the stacked copy instead), and
+        # that copy is the first initial_state(): the state exists once, as in the stock loop
+        self._bind(fresh)
+        self._first: Optional[Dict[str, torch.Tensor]] = fresh
 
     def _roots(self) -> Dict[str, nn.Module]:
         """Path prefix -> module whose streaming state the step binds."""
@@ -209,9 +224,36 @@ class _ExplicitState(nn.Module):
             state[key] = torch.stack(layers)
         return state
 
+    def _keep_initial(self, state: Dict[str, torch.Tensor]) -> None:
+        """Remember the fresh state: all-zero tensors (the KV rings, 1.6 GB for the 7B LM) as
+        their shape only, so the step holds no second copy of the state."""
+        self._initial = {k: (_Zeros(v.shape, v.dtype, v.device)
+                             if isinstance(v, torch.Tensor) and not v.any() else v)
+                         for k, v in state.items()}
+
     def initial_state(self) -> Dict[str, torch.Tensor]:
         """A fresh state (what entering streaming makes), to start a stream or a turn."""
-        return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self._initial.items()}
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return {k: (v.clone() if isinstance(v, torch.Tensor) else v.make() if isinstance(v, _Zeros)
+                    else v) for k, v in self._initial.items()}
+
+    def reset_state(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Start a new turn in ``state`` itself, as the stock ``reset_streaming`` does: every
+        tensor refilled in place with its fresh value (nothing allocated; on a compiled step the
+        state the last call returned stays the carry's view), plain values reset. Returns it."""
+        with torch.no_grad():
+            for k, v in self._initial.items():
+                t = state.get(k)
+                if isinstance(v, _Zeros) and isinstance(t, torch.Tensor):
+                    t.zero_()
+                elif isinstance(v, torch.Tensor) and isinstance(t, torch.Tensor):
+                    t.copy_(v)
+                else:
+                    state[k] = v.make() if isinstance(v, _Zeros) else \
+                        v.clone() if isinstance(v, torch.Tensor) else v
+        return state
 
     def _bind(self, state: Dict[str, torch.Tensor]) -> List[Tuple[_Slot, torch.Tensor]]:
         slots = self._all_slots()
@@ -286,7 +328,7 @@ class MoshiStep(_ExplicitState):
         self.mimi, self.lm_gen = mimi, lm_gen
         self._setup([lm_gen, mimi], dict(_MIMI_STACKS, **{"lm_gen.lm_model.transformer.layers": "lm_kv"}),
                     dict(_MIMI_RENAMES, **{"lm_gen:cache": "lm_token_ring"}), batch)
-        self._initial["lm_offset"] = 0
+        self._initial["lm_offset"] = self._first["lm_offset"] = 0
 
     def _roots(self) -> Dict[str, nn.Module]:
         # LMGen keeps its LM streaming (detached) inside its own state: bind both.
