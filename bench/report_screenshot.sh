@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates docs/report-screenshot.png: the HTML report of a short demo stream on the CPU
-# (default: Token2Wav, flow and HiFT, shadow audit on; a few minutes on 2 cores), rendered by headless Chromium (Debian: apt-get install
-# chromium). Usage: bash bench/report_screenshot.sh [MODEL] [OUT.png]
+# (default: Token2Wav, flow and HiFT, shadow audit on; a few minutes on 2 cores), rendered by
+# headless Chromium (Debian: apt-get install chromium).
+# Usage: bash bench/report_screenshot.sh [MODEL] [OUT.png]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model="${1:-token2wav}"
