@@ -113,3 +113,29 @@ def test_the_report_counts_no_staging_on_the_eager_path():
     assert [r["staging_bytes"] for r in rows] == [0]
     pieces = [m for e in c.classes.values() for m in e.gm.modules() if isinstance(m, GuardedPiece)]
     assert pieces and all(p.staging_bytes == 0 for p in pieces)
+
+
+class CountsCalls(torch.nn.Module):
+    """A step that writes an argument in place (a call counter the caller keeps)."""
+
+    def forward(self, x, cache, calls):
+        calls.add_(1)
+        return x * 2, torch.cat([cache, x], 2)[:, :, -4:]
+
+
+def test_the_probationary_call_puts_back_an_argument_the_step_writes():
+    """A class's first call runs the stock step once as a probe; whatever it wrote in the
+    caller's arguments is put back, so the compiled call writes them exactly once, as stock."""
+    from cadence_fx.contract import APPEND, Adapter, Region, SlidingWindow
+    adapter = Adapter(name="counter", clocks={"W": 4, "c": 2},
+                      regions=(Region(name="k", input="cache", output="1", dim=2,
+                                      retention=SlidingWindow("W"), advance="c", ordering=APPEND,
+                                      shape=(1, 2, None)),),
+                      call_frames=("c",), call_input="x", call_dim=2)
+    c = cadence_fx.compile(CountsCalls(), adapter)
+    calls, state = torch.zeros(()), torch.zeros(1, 2, 0)
+    with torch.no_grad():
+        for i in range(3):
+            _, state = c(torch.randn(1, 2, 2), state, calls)
+            assert calls.item() == i + 1
+    assert (c.counters.compiled_calls, c.counters.fallbacks) == (3, 0)
