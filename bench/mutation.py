@@ -1,6 +1,6 @@
 """Mutation testing of the core with mutmut (``pip install -e ".[mutation]"``); not run in CI.
 
-    python bench/mutation.py                      # every core file (about an hour on 2 cores)
+    python bench/mutation.py                      # every core file (several hours on 2 cores)
     python bench/mutation.py --only passes/_carry_window.py cadence_fx/replay.py
     python bench/mutation.py --mutants 'cadence_fx.replay.*'   # re-run these mutants by name
     python bench/mutation.py --results            # per-file counts and the survivors, no run
