@@ -15,13 +15,17 @@ except ImportError:  # pragma: no cover - every GraphModule generates its code w
     _LazyGraphModule = None
     _use_lazy_graph_module = None
 
-__all__ = ["aten", "VIEW_OPS", "is_mutating", "mutated_arg", "view_chain", "slice_bounds",
+__all__ = ["aten", "CATS", "VIEW_OPS", "is_mutating", "mutated_arg", "view_chain", "slice_bounds",
            "val", "dead_code_elimination", "SIDE_EFFECTS", "storage_key", "returns_self",
            "mutated_attributes", "written_bases", "graph_module", "code_deferred",
            "generate_code"]
 
 aten = torch.ops.aten
 INT_MAX = 2 ** 63 - 1
+
+# Concatenation as traced: pre-dispatch tracing keeps torch.concat / torch.concatenate as ops of
+# their own (same arguments as cat)
+CATS = frozenset({aten.cat.default, aten.concat.default, aten.concatenate.default})
 
 # View ops the passes follow when asking "which storage does this node read or write?"
 VIEW_OPS = {aten.slice.Tensor, aten.select.int, aten.alias.default, aten.detach.default}

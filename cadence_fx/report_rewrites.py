@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from torch.fx import GraphModule, Node
 
 from .audit import check_carry_write
-from .fx_utils import aten, view_chain
+from .fx_utils import CATS, aten, view_chain
 
 __all__ = ["before_graph", "region_rewrites"]
 
@@ -243,7 +243,7 @@ def _essential(row: Row, before, after, carries) -> bool:
         return n.op == "output" or _audits(n) is not None or _carry_write(n, carries) is not None
     if kind == "del":
         n = before[b][0]
-        return n.op == "output" or n.target is aten.cat.default
+        return n.op == "output" or n.target in CATS
     return False
 
 

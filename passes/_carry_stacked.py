@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple, Union
 from torch.fx import GraphModule, Node
 
 from cadence_fx.context import RegionBinding
-from cadence_fx.fx_utils import VIEW_OPS, aten, slice_bounds, val
+from cadence_fx.fx_utils import CATS, VIEW_OPS, aten, slice_bounds, val
 
 from ._carry_window import (SPLITS, Window, frame_range, move, rewrite_window, split_sizes,
                             window_of)
@@ -43,8 +43,16 @@ class Stacked:
     order: str
 
 
-def find_stacked(b: RegionBinding, state: Node) -> Union[Stacked, str]:
-    """The windows ``state`` is assembled from, or why it is not so assembled."""
+def find_stacked(b: RegionBinding, state: Node) -> Union[Stacked, str, None]:
+    """The windows ``state`` is assembled from, why it is not so assembled, or None when it is
+    no join at all."""
+    top = state
+    while (top.op == "call_function" and isinstance(top.args[0], Node)
+           and top.target in (aten.slice.Tensor, aten.clone.default, aten.detach.default,
+                              aten.alias.default)):
+        top = top.args[0]
+    if not _joins(top, b.region.dim):
+        return None
     leaves: List[tuple] = []
     why = _collect(state, b.region.dim, None, (), leaves)
     if why is not None:
@@ -153,7 +161,7 @@ def _collect(node: Node, d: int, rng, path: Path, out: list) -> Optional[str]:
     if node.op != "call_function" or v is None:
         return f"{node} is not computed in the graph"
     t = node.target
-    if t in (aten.stack.default, aten.cat.default) and len(node.args[0]) > 1:
+    if (t is aten.stack.default or t in CATS) and len(node.args[0]) > 1:
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
         dim %= v.dim()
         if dim != d:
@@ -187,8 +195,9 @@ def _collect(node: Node, d: int, rng, path: Path, out: list) -> Optional[str]:
 
 
 def _joins(node: Node, d: int) -> bool:
-    """Whether a frame slice of ``node`` is to be pushed into the parts it joins."""
-    if node.op != "call_function" or node.target not in (aten.stack.default, aten.cat.default):
+    """Whether ``node`` joins parts along a dim other than the frame dim ``d``."""
+    if node.op != "call_function" or not (node.target is aten.stack.default
+                                          or node.target in CATS) or val(node) is None:
         return False
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     return dim % val(node).dim() != d

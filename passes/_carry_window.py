@@ -31,7 +31,8 @@ from torch.fx import GraphModule, Node
 
 from cadence_fx.contract import APPEND, PREPEND
 from cadence_fx.context import RegionBinding
-from cadence_fx.fx_utils import aten, is_mutating, mutated_arg, slice_bounds, storage_key, val
+from cadence_fx.fx_utils import (CATS, aten, is_mutating, mutated_arg, slice_bounds, storage_key,
+                                 val)
 
 from ._carry_graph import carry_offset, copy_, propagate_meta
 
@@ -229,7 +230,7 @@ def frame_range(node: Node, d: int) -> Optional[tuple]:
     if node.op != "call_function" or (v is None and node.target is not operator.getitem):
         return None
     t = node.target
-    if t is aten.cat.default:
+    if t in CATS:
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
         return (node, 0, v.shape[d]) if dim % v.dim() == d else None
     if t in _THROUGH:

@@ -38,8 +38,8 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from cadence_fx.audit import check_carry_write
 from cadence_fx.context import PassContext, RegionBinding
-from cadence_fx.fx_utils import (aten, dead_code_elimination, is_mutating, mutated_arg, slice_bounds,
-                                 storage_key, val, view_chain)
+from cadence_fx.fx_utils import (CATS, aten, dead_code_elimination, is_mutating, mutated_arg,
+                                 slice_bounds, storage_key, val, view_chain)
 from cadence_fx.tracing import InputSpec
 
 from ._carry_envelope import replace_envelope
@@ -84,7 +84,7 @@ def _read_input_from_carry(gm: GraphModule, b: RegionBinding) -> None:
 
 def _retention_source(node: Node) -> Optional[Node]:
     """``X`` if ``node`` is ``cat([X[:P], X[L-R:L]], d)``, else None."""
-    if node.op != "call_function" or node.target is not aten.cat.default:
+    if node.op != "call_function" or node.target not in CATS:
         return None
     parts = node.args[0]
     if len(parts) != 2 or any(p.op != "call_function" or p.target is not aten.slice.Tensor
@@ -130,7 +130,7 @@ def _write_state(gm: GraphModule, ctx: PassContext, b: RegionBinding, out: Node)
                 why = done
             else:
                 window = dataclasses.replace(stacked, start=done, stop=done + frames)
-        elif isinstance(window, str):
+        elif isinstance(window, str):   # (with the reason it is no join of windows, if a join)
             window, why = None, window if stacked is None else f"{window}; {stacked}"
         else:
             done = rewrite_window(gm, b, window, keep_stock=ctx.verify)

@@ -47,6 +47,14 @@ def test_hift_stream_bit_exact_with_device_randomness_and_an_eager_istft():
     reasons = {r for e in compiled.classes.values() for p in e.records["pieces"] for r in p["reasons"]}
     assert "istft checks its window on the host (not capturable)" in reasons
     assert sum(compiled.auditor.comparisons.values()) == 3 * len(mels)
+    # the mel context, torch.concat then a tail: a window on the carry (torch.concat traces as an
+    # op of its own, aten.concat); the source and speech tails are cut from fresh results, not
+    # kept by concatenation: copied once, with the reason
+    kinds = {(e.key[0][0], w["region"]): w["kind"] for e in compiled.classes.values()
+             for w in e.records["rewrites"]}
+    assert {k: v for k, v in kinds.items() if k[1] == "hift_mel_cache"} == {
+        ((0, 0, 0), "hift_mel_cache"): "retention", ((8, 3840, 3840), "hift_mel_cache"): "retention"}
+    assert {v for k, v in kinds.items() if k[1] != "hift_mel_cache"} == {"materialize"}
 
 
 @pytest.mark.gpu

@@ -15,7 +15,8 @@ from cadence_fx.contract import APPEND, PREPEND, Adapter, Region, SlidingWindow
 from cadence_fx.errors import GuardError
 
 W = 6
-FORMS = ["slice", "narrow", "split", "chunk", "conditional", "clone", "prepend", "window-only"]
+FORMS = ["slice", "narrow", "split", "chunk", "conditional", "clone", "prepend", "window-only",
+         "concat"]
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 
@@ -34,11 +35,11 @@ class Window(nn.Module):
         if self.form == "prepend":
             full = torch.cat([x, cache["k"]], 2)
             new = full[:, :, :W]
-        else:
-            full = torch.cat([cache["k"], x], 2)
+        else:   # torch.concat traces as an op of its own (aten.concat)
+            full = (torch.concat if self.form == "concat" else torch.cat)([cache["k"], x], 2)
             n = full.shape[2]
             keep = min(W, n)
-            if self.form in ("slice", "window-only"):
+            if self.form in ("slice", "window-only", "concat"):
                 new = full[:, :, -W:]            # a no-op slice while the window fills
             elif self.form == "narrow":
                 new = full.narrow(2, n - keep, keep)
@@ -76,8 +77,8 @@ def _stream(step, xs, device):
 
 
 def _cats_left(compiled) -> int:
-    cat = torch.ops.aten.cat.default
-    return sum(n.target is cat for e in compiled.classes.values()
+    from cadence_fx.fx_utils import CATS
+    return sum(n.target in CATS for e in compiled.classes.values()
                for m in e.gm.modules() if isinstance(m, torch.fx.GraphModule)
                for n in m.graph.nodes)
 
