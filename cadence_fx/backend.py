@@ -224,7 +224,7 @@ def cadence_backend(gm: torch.fx.GraphModule, example_inputs, *, options: Option
         return compiled(**{n: a for n, a in zip(names, args) if n in step.args})
 
     run.cadence = compiled  # for inspection: torch.compile hides the backend's object otherwise
-    _STEPS.append(weakref.ref(compiled))
+    _STEPS[:] = [r for r in _STEPS if r() is not None] + [weakref.ref(compiled)]
     return run
 
 

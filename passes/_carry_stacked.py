@@ -85,7 +85,7 @@ def rewrite_stacked(gm: GraphModule, b: RegionBinding, s: Stacked) -> Union[int,
     it stay rewritten, each exact on its own: the caller then copies the state)."""
     starts = []
     for path, w in s.parts:
-        sub = _sub_binding(b, path, w_dim(b, path), node=_sub_node(gm, b, path))
+        sub = _sub_binding(b, path, _frame_dim(b, path), node=_sub_node(gm, b, path))
         done = rewrite_window(gm, sub, w, keep_stock=False)
         if isinstance(done, str):
             return f"part {_show(path)}: {done}"
@@ -100,7 +100,8 @@ def rewrite_stacked(gm: GraphModule, b: RegionBinding, s: Stacked) -> Union[int,
     return 0
 
 
-def w_dim(b: RegionBinding, path: Path) -> int:
+def _frame_dim(b: RegionBinding, path: Path) -> int:
+    """The frame dim of the carry slice ``C[path]``."""
     d = b.region.dim
     for op in path:
         if op[0] == "select" and op[1] < d:

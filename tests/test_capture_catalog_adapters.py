@@ -19,17 +19,8 @@ import cadence_fx
 from cadence_fx import adapters
 from cadence_fx.contract import APPEND, Adapter, Region, SlidingWindow
 from cadence_fx.counters import Counters
+from cadence_fx.demo import _clone   # a detached copy of a nested result
 from stock_packages import MOSHI, TOKEN2WAV, require
-
-
-def _clone(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().clone()
-    if isinstance(x, dict):
-        return {k: _clone(v) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return type(x)(_clone(v) for v in x)
-    return x
 
 
 def _same(stock, ours) -> bool:

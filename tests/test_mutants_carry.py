@@ -119,6 +119,18 @@ class CloneState(nn.Module):
         return y, new
 
 
+def _lockstep(compiled, model, calls: int, seed: int) -> None:
+    """``calls`` 2-frame chunks through the compiled step and the stock module side by side,
+    each from its own last state: every output and state equal."""
+    g = torch.Generator().manual_seed(seed)
+    ours = ref = torch.zeros(1, 2, 0)
+    for _ in range(calls):
+        x = torch.randn(1, 2, 2, generator=g)
+        with torch.no_grad():
+            (y, ours), (y_ref, ref) = compiled(x, ours), model(x, ref)
+        assert torch.equal(y, y_ref) and torch.equal(ours, ref)
+
+
 @pytest.mark.parametrize("users,kwargs,clones", [(1, False, 0), (2, False, 1), (1, True, 1)],
                          ids=["copied-from-its-source", "read-by-the-step", "memory-format"])
 def test_a_cloned_state_is_copied_from_its_source_once(users, kwargs, clones):
@@ -126,13 +138,7 @@ def test_a_cloned_state_is_copied_from_its_source_once(users, kwargs, clones):
     stock copies it. A clone the step reads too, or one with arguments, stays."""
     model = CloneState(users, kwargs)
     compiled = cadence_fx.compile(model, _adapter(4, 2))
-    g = torch.Generator().manual_seed(1)
-    ours = ref = torch.zeros(1, 2, 0)
-    for _ in range(3):
-        x = torch.randn(1, 2, 2, generator=g)
-        with torch.no_grad():
-            (y, ours), (y_ref, ref) = compiled(x, ours), model(x, ref)
-        assert torch.equal(y, y_ref) and torch.equal(ours, ref)
+    _lockstep(compiled, model, calls=3, seed=1)
     assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (3, 0)
     (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
     assert [r["kind"] for r in steady.records["rewrites"]] == ["materialize"]
@@ -153,13 +159,7 @@ class KeepsItsState(nn.Module):
 def test_a_clone_of_the_carry_is_kept_as_the_source_of_the_copy():
     model = KeepsItsState()
     compiled = cadence_fx.compile(model, _adapter(4, 2))
-    g = torch.Generator().manual_seed(2)
-    ours = ref = torch.zeros(1, 2, 0)
-    for _ in range(4):
-        x = torch.randn(1, 2, 2, generator=g)
-        with torch.no_grad():
-            (y, ours), (y_ref, ref) = compiled(x, ours), model(x, ref)
-        assert torch.equal(y, y_ref) and torch.equal(ours, ref)
+    _lockstep(compiled, model, calls=4, seed=2)
     assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (4, 0)
     (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
     assert [r["kind"] for r in steady.records["rewrites"]] == ["materialize"]

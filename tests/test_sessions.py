@@ -280,17 +280,16 @@ class _Fragile:
         self.model, self.traces = model, {}
         self._compile()
 
-    # Weights moved away from while this step's graphs may have bound them. Kept alive, so a moved
-    # weight never lands on an address a stale graph bound (the caching allocator would hand it
-    # back; the guard then rightly finds the address valid and replays, which ``expect`` cannot
-    # foresee). Dropped with the step.
-    retired: list
-
     def _compile(self):
         backend = StandInBackend() if DEVICE == "cpu" else None   # None: CUDA graphs
         self.step = cadence_fx.compile(self.model, PROMPT_RETAINED_ADAPTER, trace_cache=self.traces,
                                        backend=backend)
-        self.graphs, self.retired = {}, []
+        self.graphs = {}
+        # Weights moved away from while this step's graphs may have bound them. Kept alive, so a
+        # moved weight never lands on an address a stale graph bound (the caching allocator would
+        # hand it back; the guard then rightly finds the address valid and replays, which
+        # ``expect`` cannot foresee). Dropped with the step.
+        self.retired = []
 
     @property
     def captured(self) -> int:
