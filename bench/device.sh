@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call:  bash bench/device.sh  (writes under $OUT)
 # Steps: all (tests, demo, bench) | tests | demo | moshi | chunk | bench | suite | cold | sessions |
-# reliability,
+# reliability | mutation,
 # or par "<steps for GPU 0>" "<steps for GPU 1>" ... (each under PAR_LIMIT seconds, default 540).
 # BENCH_ARGS passes arguments to the step's script; '+' separates them (BENCH_ARGS=--ns=1,2+--rounds=4).
 # Needs the model wheels in .whl/, carried along:
@@ -83,6 +83,20 @@ if [[ $STEP == sessions ]]; then
   # BENCH_ARGS=--churn+--ns=1,2,4,8,12,14,16: the churn mode instead (speakers arrive every 3 rounds,
   # each primed inline with its own prompt; about 6 minutes at depth 16); results under "churn"
   python3 bench/sessions.py --out "$OUT/sessions.json" ${BENCH_ARGS//+/ } > "$OUT/sessions.out" 2>&1; echo "sessions rc $?"; tail -20 "$OUT/sessions.out"
+fi
+if [[ $STEP == mutation ]]; then
+  # mutation testing of cudagraphs.py (bench/mutation_gpu.py); mutmut and its dependencies travel as
+  # wheels in .whl/mutation/ (pip download --only-binary=:all: --python-version 3.12 mutmut==3.8.1)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-mut \
+    $(ls .whl/mutation/*.whl | grep -vE '/(pytest|pluggy|iniconfig|packaging|typing_extensions)-')
+  # the lowering tests first: any failing on the unmutated code is left out of the run (and shows)
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m pytest -m gpu tests/test_gpu_lowering.py -v -rf \
+    -p no:cacheprovider > "$OUT/gpu-lowering-tests.txt" 2>&1; tail -3 "$OUT/gpu-lowering-tests.txt"
+  fails=$(grep -oP '^FAILED tests/test_gpu_lowering.py::\K\w+' "$OUT/gpu-lowering-tests.txt")
+  PYTHONPATH=$PYTHONPATH:/tmp/site-mut timeout ${MUTATION_LIMIT:-500} python3 bench/mutation_gpu.py \
+    --workers ${WORKERS:-8} ${fails:+--exclude $fails} > "$OUT/mutation-gpu.log" 2>&1; echo "mutation rc $?"
+  PYTHONPATH=$PYTHONPATH:/tmp/site-mut python3 bench/mutation_gpu.py --results --diffs > "$OUT/mutation-gpu.txt" 2>&1
+  cp .mutation-gpu/results.json "$OUT/mutation-gpu.json" 2>/dev/null; tail -5 "$OUT/mutation-gpu.log"; head -60 "$OUT/mutation-gpu.txt"
 fi
 if [[ $STEP == reliability ]]; then
   # the long property runs with CUDA graphs: SCHEDULES random session schedules of the selected
