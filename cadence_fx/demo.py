@@ -344,7 +344,8 @@ def run_demo(model: str = "token2wav", device: str = "cpu", chunks: Optional[int
                        "steady_replays": c.replays - warm[name][0],
                        "steady_fallbacks": c.fallbacks - warm[name][1],
                        "classes": len(s.classes), "traces": c.traces,
-                       "eager_pieces": c.eager_pieces, "guarded_eager": c.guarded_eager}
+                       "eager_pieces": c.eager_pieces, "guarded_eager": c.guarded_eager,
+                       "memory": s.report().memory()}
     total = lambda key: sum(getattr(s.counters, key) for s in stream.steps.values())  # noqa: E731
     result = {
         "model": model, "device": str(dev), "chunks": stream.chunks, "config": stream.config,
