@@ -190,3 +190,107 @@ def test_a_full_reduction_over_the_state_is_bit_exact():
         same.append(torch.equal(y, y_ref) and torch.equal(ours, ref))
     assert compiled.counters.compiled_calls == 6
     assert same == [True] * 6, same
+
+
+# -- the envelope rewrite (passes/_carry_envelope.py) ------------------------------------------------
+
+def _envelope_adapter(slots=3, frames=16):
+    """A 4-frame window advancing 2 frames a call (the carry holds 6), whose stock code keeps it in
+    slot 0 of a ``(slots, 2, frames)`` envelope buffer ``env``."""
+    return Adapter(name="envelope-window", clocks={"W": 4, "c": 2},
+                   regions=(Region(name="k", input="cache", output="1", dim=2,
+                                   retention=SlidingWindow("W"), advance="c", ordering=APPEND,
+                                   shape=(1, 2, None), envelope="env",
+                                   stock_shape=(slots, 2, frames)),),
+                   call_frames=("c",), call_input="x", call_dim=2)
+
+
+class EnvelopeReads(nn.Module):
+    """The window is written into slot 0 of ``env`` and the new state is its last 4 frames, a
+    view of the envelope. Besides, the step reads: ``tail``, all but the oldest frame of the state
+    (a slice of a slice starting past 0); ``last-slot``, the last slot through a slice and a
+    negative select (slots 1 and 2 hold ``spare``, never written); ``slot-added-in-place``, slot
+    2 as the source of an in-place add; ``frames-added-in-place``, frames [6, 8) of slot 0
+    (never written: zeros); ``writes-slot-1``, none, but it writes x into slot 1;
+    ``past-extent``, frame 7 of slot 0, one past the carry's 6 frames, by select (never written:
+    zeros)."""
+    W = 4
+
+    def __init__(self, read, spare=0.0):
+        super().__init__()
+        self.read = read
+        env = torch.zeros(3, 2, 16)
+        env[1:] = spare
+        self.register_buffer("env", env, persistent=False)
+
+    def forward(self, x, cache):
+        n = cache.shape[2] + x.shape[2]
+        self.env[0:1, :, :n] = torch.cat([cache, x], 2)
+        state = self.env[0:1, :, max(0, n - self.W):n]
+        if self.read == "tail":
+            y = state[:, :, 1:] * 2
+        elif self.read == "last-slot":
+            y = x + self.env[1:][-1][:, :x.shape[2]]
+        elif self.read == "slot-added-in-place":
+            y = x.clone()
+            y.add_(self.env[2:3, :, :x.shape[2]])
+        elif self.read == "frames-added-in-place":
+            y = x.clone()
+            y.add_(self.env[0:1, :, 6:8])
+        elif self.read == "writes-slot-1":
+            self.env[1:2, :, :x.shape[2]] = x
+            y = x * 2
+        else:
+            y = x + self.env[0, :, 7][None, :, None]
+        return y, state
+
+
+def _envelope_stream(read, spare=0.0):
+    """Three calls (extents 0, 2, 4) compiled and stock side by side, every result equal; the
+    steady class's rewrite kinds and near-miss details."""
+    model = EnvelopeReads(read, spare)
+    compiled = cadence_fx.compile(EnvelopeReads(read, spare), _envelope_adapter())
+    g = torch.Generator().manual_seed(4)
+    ours = ref = torch.zeros(1, 2, 0)
+    for _ in range(3):
+        x = torch.randn(1, 2, 2, generator=g)
+        with torch.no_grad():
+            (y, ours), (y_ref, ref) = compiled(x, ours), model(x, ref)
+        assert torch.equal(y, y_ref) and torch.equal(ours, ref)
+    assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (3, 0)
+    (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
+    return ([r["kind"] for r in steady.records["rewrites"]],
+            [m["detail"] for m in steady.records["near_misses"]])
+
+
+def test_an_envelope_slice_of_a_slice_is_bounded_within_its_parent():
+    """All but the oldest frame of the state (a slice of the slice [2, 6)) is frames [3, 6) of
+    the carry's 6: the carry stands in for the envelope."""
+    assert _envelope_stream("tail") == (["envelope", "materialize"], [])
+
+
+@pytest.mark.parametrize("read,spare,detail", [
+    ("last-slot", 1.0, "envelope env: the step reads rows [1, 3) of dim 0 that are not declared "
+                       "and not known to be zero"),
+    ("last-slot", 0.0, "envelope env: the step's shapes do not follow the declared extent "
+                       "(IndexError: "),
+    ("slot-added-in-place", 1.0, "envelope env: the step reads rows [1, 3) of dim 0 that are not "
+                                 "declared and not known to be zero"),
+    ("frames-added-in-place", 0.0, "envelope env: the step reads [6, 8) of dim 2, beyond the "
+                                   "declared 6; declare a larger extent or fix the clocks"),
+    ("writes-slot-1", 0.0, "envelope env: the step writes [1, 2) of dim 0, beyond the declared 1; "
+                           "declare a larger extent or fix the clocks"),
+    ("past-extent", 0.0, "envelope env: the step reads [7, 8) of dim 2, beyond the declared 6; "
+                         "declare a larger extent or fix the clocks"),
+], ids=["last-slot-of-ones", "last-slot-of-zeros", "slot-added-in-place", "frames-added-in-place",
+        "writes-slot-1",
+        "one-frame-past-the-extent"])
+def test_an_envelope_read_beyond_the_carry_is_a_near_miss_naming_its_rows(read, spare, detail):
+    """The last slot (index -1 of slots [1, 3), i.e. slot 2) holding ones is refused by its rows;
+    holding zeros it passes the check, but the one-slot carry has no slot 2 to select, so the
+    envelope is put back. An in-place op reading a slot reads it; a slot written is refused
+    whatever it holds. Frame 7 is past the frames the carry holds, on the frame dim, where zeros
+    do not help."""
+    kinds, (miss,) = _envelope_stream(read, spare)
+    assert kinds == ["materialize"]
+    assert miss.startswith(detail) if detail.endswith(": ") else miss == detail
