@@ -19,7 +19,9 @@ Configurations, all in one process and one run:
 Per configuration: per-frame p50/p95 (CUDA events, timed streams only), frames bit-exact against
 E (``torch.equal`` on PCM and tokens), peak memory (``max_memory_allocated``/``memory_reserved``
 over the timed streams), and the kernel-time floor of E (the profiler's sum of GPU kernel time per
-steady frame).
+frame over the first six frames of a stream); for cadence_fx also its own kernel time and kernels
+per frame over the same six frames (``kernel_ms``, ``kernels``) and the device graphs launched per
+timed frame (``graph_launches_per_frame``).
 """
 from __future__ import annotations
 
@@ -247,6 +249,11 @@ def main():
              steady_replays=k.replays - before[0], steady_fallbacks=k.fallbacks - before[1],
              eager_pieces=k.eager_pieces, status="ok",
              fallback_reasons=dict(k.reasons))
+    c["graph_launches_per_frame"] = c["steady_replays"] / c["frames"]
+    # the same six frames as E's floor: its own kernel time and kernels per frame (the kernels a
+    # replayed graph launches are traced one by one)
+    c["kernel_ms"], c["kernels"] = kernel_floor_ms(
+        lambda: cadence_streams(step, compiled, [timed_streams[0][:6]], reset_at=99), 6)
     c["speedup_vs_E_p50"] = e["p50_ms"] / c["p50_ms"]
     if "V" in result and "p50_ms" in result["V"]:
         c["vs_V_p50"] = c["p50_ms"] / result["V"]["p50_ms"]

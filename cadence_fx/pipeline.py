@@ -1,8 +1,9 @@
 """The pass pipeline: an explicit list built from options, run by a small manager.
 
 Order matters and is fixed: constants first (so host work leaves the graph before partitioning),
-the carry pass next (it introduces the in-place writes), then the shape-enumeration partition,
-and the lowering last (it is the only pass that adds runtime state). One flag per pass.
+the carry pass next (it introduces the in-place writes), masked writes as selects (so they need
+not split the graph), then the shape-enumeration partition, and the lowering last (it is the only
+pass that adds runtime state). One flag per pass.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class PassFailed(CadenceError):
 class Options:
     constants: bool = True     # hoist input-independent subgraphs (device-resident constants)
     state_rule: bool = True    # the carry pass: retention as in-place writes on fixed storage
+    mask_writes: bool = True   # x[mask] = v as a select on the device, not nonzero on the host
     partition: bool = True     # shape enumeration: capturable vs eager pieces
     lower: bool = True         # guarded pieces (device graphs where the backend has them)
     # Ablation only (the paper's Rc): without the state rule, bind the stock region tensors by
@@ -48,6 +50,8 @@ def build_pipeline(options: Options) -> List[Tuple[str, Callable]]:
         pipeline.append(("hoist_constants", passes.hoist_constants))
     if options.state_rule:
         pipeline.append(("carry_retention", passes.carry_retention))
+    if options.mask_writes:
+        pipeline.append(("mask_writes", passes.mask_writes))
     if options.partition:
         pipeline.append(("shape_enumeration", passes.shape_enumeration))
         if options.lower:  # lowering needs pieces; it always comes last

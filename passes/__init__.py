@@ -3,6 +3,7 @@
 from .carry_retention import carry_retention
 from .hoist_constants import hoist_constants
 from .lower_guarded import lower_guarded
+from .mask_writes import mask_writes
 from .shape_enumeration import shape_enumeration
 
-__all__ = ["hoist_constants", "carry_retention", "shape_enumeration", "lower_guarded"]
+__all__ = ["hoist_constants", "carry_retention", "mask_writes", "shape_enumeration", "lower_guarded"]

@@ -41,7 +41,8 @@ _MODE_SWITCHES = {torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_aut
                   torch.amp.autocast_mode._exit_autocast}
 _HOST_CHECKED = {aten.istft.default: "istft checks its window on the host (not capturable)"}
 # Indexing with a boolean mask turns the mask into indices with ``nonzero`` (a host sync), even when
-# the result's shape is static (``x[mask] = v``, as in Moshi's ``LMGen._step``).
+# the result's shape is static; ``x[mask] = v`` with one value (Moshi's ``LMGen._step``) is made a
+# select by the mask_writes pass before this one, so what reaches here has no such form.
 _INDEX_OPS = {aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default,
               aten.index.Tensor}
 
