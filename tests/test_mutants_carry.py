@@ -211,7 +211,8 @@ class EnvelopeReads(nn.Module):
     (a slice of a slice starting past 0); ``last-slot``, the last slot through a slice and a
     negative select (slots 1 and 2 hold ``spare``, never written); ``slot-added-in-place``, slot
     2 as the source of an in-place add; ``frames-added-in-place``, frames [6, 8) of slot 0
-    (never written: zeros); ``writes-slot-1``, none, but it writes x into slot 1;
+    (never written: zeros); ``permuted-copy``, a frames-first copy of every slot, doubled and
+    summed over the slots (zeros but slot 0); ``writes-slot-1``, none, but it writes x into slot 1;
     ``past-extent``, frame 7 of slot 0, one past the carry's 6 frames, by select (never written:
     zeros)."""
     W = 4
@@ -237,6 +238,8 @@ class EnvelopeReads(nn.Module):
         elif self.read == "frames-added-in-place":
             y = x.clone()
             y.add_(self.env[0:1, :, 6:8])
+        elif self.read == "permuted-copy":
+            y = (self.env[:, :, :n].permute(2, 1, 0).clone() * 2).sum(2, keepdim=True)
         elif self.read == "writes-slot-1":
             self.env[1:2, :, :x.shape[2]] = x
             y = x * 2
@@ -245,9 +248,9 @@ class EnvelopeReads(nn.Module):
         return y, state
 
 
-def _envelope_stream(read, spare=0.0):
+def _envelope_stream(read, spare=0.0, entry=False):
     """Three calls (extents 0, 2, 4) compiled and stock side by side, every result equal; the
-    steady class's rewrite kinds and near-miss details."""
+    steady class's rewrite kinds and near-miss details (and, with ``entry``, the class)."""
     model = EnvelopeReads(read, spare)
     compiled = cadence_fx.compile(EnvelopeReads(read, spare), _envelope_adapter())
     g = torch.Generator().manual_seed(4)
@@ -260,7 +263,7 @@ def _envelope_stream(read, spare=0.0):
     assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (3, 0)
     (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
     return ([r["kind"] for r in steady.records["rewrites"]],
-            [m["detail"] for m in steady.records["near_misses"]])
+            [m["detail"] for m in steady.records["near_misses"]]) + ((steady,) if entry else ())
 
 
 def test_an_envelope_slice_of_a_slice_is_bounded_within_its_parent():
@@ -294,3 +297,26 @@ def test_an_envelope_read_beyond_the_carry_is_a_near_miss_naming_its_rows(read, 
     kinds, (miss,) = _envelope_stream(read, spare)
     assert kinds == ["materialize"]
     assert miss.startswith(detail) if detail.endswith(": ") else miss == detail
+
+
+def test_fake_values_after_the_envelope_is_replaced_are_those_of_the_rewritten_graph():
+    """Replacing the (3, 2, 16) envelope by the (1, 2, 6) carry changes the shape of the copy of
+    every slot, (6, 2, 3) -> (6, 2, 1), not its strides: the fake values downstream of it (the
+    doubling) are recomputed too, and every fake value of the rewritten graph is what fake
+    propagation of that graph gives."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    kinds, misses, steady = _envelope_stream("permuted-copy", entry=True)
+    assert (kinds, misses) == (["envelope", "materialize"], [])
+    gm = steady.records["graph"]
+
+    def layouts():
+        return {n.name: (tuple(v.shape), v.stride(), v.dtype) for n in gm.graph.nodes
+                if n.op == "call_function" and isinstance(v := n.meta.get("val"), torch.Tensor)}
+
+    stored = layouts()
+    placeholders = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    FakeTensorProp(gm, placeholders[0].fake_mode).propagate_dont_convert_inputs(*placeholders)
+    fresh = layouts()   # (the copies the materialize rewrite inserts carry no fake value)
+    assert stored == {name: fresh[name] for name in stored}
+    assert stored["mul"][0] == (6, 2, 1)
