@@ -14,7 +14,9 @@ for every dtype, NaN payloads included.
 
 Rewritten: ``index_put_`` / ``index_put`` without ``accumulate``, whose indices are one boolean mask
 (after any number of leading ``None``, i.e. full slices) covering exactly the dims it stands for,
-and whose value holds one element of the target's dtype. Everything else is left as it is.
+and whose value holds one element of the target's dtype, on the target's device or a constant
+(``x[mask] = 5`` on the device writes a host literal: it is copied to the device once, at compile
+time). Everything else is left as it is.
 """
 from __future__ import annotations
 
@@ -49,11 +51,19 @@ def mask_of(node: Node) -> Optional[List[int]]:
     xv, mv, vv = val(x), val(indices[lead]), val(value) if isinstance(value, Node) else None
     if xv is None or mv is None or vv is None or mv.dtype != torch.bool:
         return None
-    if vv.numel() != 1 or vv.dtype != xv.dtype or vv.device != xv.device:
+    if vv.numel() != 1 or vv.dtype != xv.dtype:
         return None
+    if vv.device != xv.device and not (vv.dim() == 0 and _constant(value)):
+        return None   # a host value that may change between calls: a replay would keep the first
     if tuple(xv.shape[lead:lead + mv.dim()]) != tuple(mv.shape):
         return None
     return [1] * lead + list(mv.shape) + [1] * (xv.dim() - lead - mv.dim())
+
+
+def _constant(node: Node) -> bool:
+    """A literal of the step's code, or a constant hoisted by ``hoist_constants``: the same value
+    on every call."""
+    return node.op == "get_attr" and node.target.startswith(("_cadence_const_", "_tensor_constant"))
 
 
 def mask_writes(gm: GraphModule, ctx: PassContext) -> PassResult:
@@ -64,6 +74,15 @@ def mask_writes(gm: GraphModule, ctx: PassContext) -> PassResult:
             continue
         x, indices, value = n.args[:3]
         mask = indices[-1]
+        if val(value).device != val(x).device:
+            # ``x[mask] = 5`` on the device: the literal is a host tensor; a copy of it on the
+            # device, made once (the select reads it there, so a replay needs no host value)
+            name = f"_cadence_mask_value_{rewritten}_{n.name}"
+            gm.register_buffer(name, _fetch(gm, value.target).to(val(x).device), persistent=False)
+            with gm.graph.inserting_before(n):
+                moved = gm.graph.get_attr(name)
+            moved.meta["val"] = val(value).to(val(x).device)
+            value = moved
         with gm.graph.inserting_before(n):
             m = gm.graph.call_function(aten.reshape.default, (mask, shape))
             v = value
@@ -82,3 +101,10 @@ def mask_writes(gm: GraphModule, ctx: PassContext) -> PassResult:
                  f"as a select (no nonzero, no host sync)")
         rewritten += 1
     return PassResult(gm, rewritten > 0)
+
+
+def _fetch(gm: GraphModule, target: str) -> torch.Tensor:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
