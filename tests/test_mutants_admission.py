@@ -137,3 +137,132 @@ def test_a_step_taking_any_keyword_fits_every_adapter():
         pass
 
     assert check_paths(_adapter("cache.a", "state.b"), _sig(step)) is None
+
+
+# -- the per-call checks and absorption, on one window ----------------------------------------------
+
+def _window(admission=None, shape=(1, 2, None)):
+    """A 4-frame window of 2 channels advancing 2 frames a call (catalog extents 0, 2, 4; the carry
+    holds 6 frames); with ``admission`` the clock ``a`` = 3 admits widths up to 3."""
+    return Adapter(name="win", clocks={"w": 4, "c": 2, "a": 3},
+                   regions=(Region(name="k", input="cache", output="1", dim=2,
+                                   retention=SlidingWindow("w"), advance="c", ordering=APPEND,
+                                   shape=shape),),
+                   call_frames=("c",), call_input="x", call_dim=2, admission=admission)
+
+
+class Window(nn.Module):
+    """No weights (so no device or dtype is imposed on the state); reads the first two channels of
+    its state, so a state with more channels, the extra ones zero, runs as stock does."""
+
+    def forward(self, x, cache):
+        if x is None:
+            return None, cache[:, :2].clone()
+        return x * 2, torch.cat([cache[:, :2], x], 2)[:, :, -4:]
+
+
+def _call(c, x, cache):
+    """One call, compiled and stock (from a copy of the state, taken first: the compiled call
+    may write the carry the state lives in); every result equal."""
+    with torch.no_grad():
+        want = Window()(x, cache.clone())
+        got = c(x, cache)
+    for a, b in zip(got, want):
+        assert (a is None and b is None) or torch.equal(a, b)
+    return got
+
+
+@pytest.mark.parametrize("admission,width,frames,reason", [
+    (None, 2, 3, "region 'k' extent 3 is not in the catalog [0, 2, 4] derived from its retention "
+                 "clocks"),
+    (None, 3, 2, "call width 3 is neither a declared call width [2] nor admitted (no admission "
+                 "clock)"),
+    ("a", 5, 2, "call width 5 is neither a declared call width [2] nor admitted (admission a = 3)"),
+], ids=["extent", "width", "width-over-the-admission-clock"])
+def test_a_call_outside_the_catalog_runs_stock_with_the_reason(admission, width, frames, reason):
+    c = cadence_fx.compile(Window(), _window(admission))
+    _call(c, torch.randn(1, 2, width), torch.randn(1, 2, frames))
+    assert dict(c.counters.reasons) == {reason: 1}
+    assert (c.counters.compiled_calls, c.counters.fallbacks, c.counters.traces) == (0, 1, 0)
+
+
+def test_a_width_within_the_admission_clock_is_admitted():
+    c = cadence_fx.compile(Window(), _window("a"))
+    _call(c, torch.randn(1, 2, 3), torch.randn(1, 2, 2))
+    assert (c.counters.compiled_calls, c.counters.fallbacks, dict(c.counters.reasons)) == (1, 0, {})
+
+
+def test_a_missing_call_input_runs_stock_with_the_reason():
+    c = cadence_fx.compile(Window(), _window())
+    _call(c, None, torch.randn(1, 2, 4))
+    assert dict(c.counters.reasons) == {"call input 'x' is missing": 1}
+    assert (c.counters.compiled_calls, c.counters.fallbacks) == (0, 1)
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (1, 1, 4), (2, 2, 4), (1, 3, 4)],
+                         ids=["rank", "fewer-channels", "more-batch-nonzero", "more-channels-nonzero"])
+def test_a_state_contradicting_the_declared_shape_is_a_contract_error(shape):
+    c = cadence_fx.compile(Window(), _window())
+    with pytest.raises(cadence_fx.ContractError) as e:
+        c(torch.randn(1, 2, 2), torch.ones(shape))
+    assert str(e.value) == (
+        f"region 'k' of adapter 'win' declares shape (1, 2, 'frames') but the step received "
+        f"{shape} at 'cache'; fix the region's shape clocks")
+    assert c.counters.traces == 0
+
+
+def test_undeclared_rows_holding_zeros_are_accepted_and_dropped_by_absorption():
+    """A third channel of zeros past the two declared: admitted, absorbed as its first two
+    channels (the carry holds two), once; the next call passes the handed-out state back."""
+    c = cadence_fx.compile(Window(), _window())
+    cache = torch.cat([torch.randn(1, 2, 4), torch.zeros(1, 1, 4)], 1)
+    state = _call(c, torch.randn(1, 2, 2), cache)[1]
+    state = _call(c, torch.randn(1, 2, 2), state)[1]
+    assert (c.counters.compiled_calls, c.counters.fallbacks, c.counters.absorptions) == (2, 0, 1)
+    assert c.carries["k"].tensor.shape == (1, 2, 6)
+
+
+def test_without_a_declared_shape_the_carry_takes_the_states_sizes_and_dtype():
+    """The carry is allocated once, zero-filled, at the declared extent (6 frames), with the first
+    state's other sizes and dtype (float64: the step has no weights to impose one)."""
+    c = cadence_fx.compile(Window(), _window(shape=()))
+    cache = torch.randn(1, 2, 2, dtype=torch.float64)
+    state = _call(c, torch.randn(1, 2, 2, dtype=torch.float64), cache)[1]
+    carry = c.carries["k"].tensor
+    assert (carry.shape, carry.dtype) == ((1, 2, 6), torch.float64)
+    assert torch.equal(carry[:, :, 4:], torch.zeros(1, 2, 2, dtype=torch.float64))
+    assert state.data_ptr() == carry.data_ptr()
+    _call(c, torch.randn(1, 2, 2, dtype=torch.float64), state)
+    assert c.carries["k"].tensor is carry and c.counters.absorptions == 1
+
+
+def test_a_state_of_another_dtype_than_its_carry_is_a_contract_error():
+    c = cadence_fx.compile(Window(), _window())
+    _call(c, torch.randn(1, 2, 2), torch.randn(1, 2, 2))
+    with pytest.raises(cadence_fx.ContractError) as e:
+        c(torch.randn(1, 2, 2, dtype=torch.float64), torch.randn(1, 2, 2, dtype=torch.float64))
+    assert str(e.value) == ("region 'k': state arrived as torch.float64 on cpu, but its carry is "
+                            "torch.float32 on cpu")
+
+
+def test_an_old_view_of_the_carry_is_refused_as_stale():
+    c = cadence_fx.compile(Window(), _window())
+    first = _call(c, torch.randn(1, 2, 2), torch.randn(1, 2, 2))[1]
+    _call(c, torch.randn(1, 2, 2), first)
+    with pytest.raises(cadence_fx.GuardError) as e:
+        c(torch.randn(1, 2, 2), first)
+    assert str(e.value) == (
+        "region 'k': this state is a view of the carry, but not the one the last call returned; "
+        "the carry was overwritten since. To retry a chunk, keep state.clone() (or copy.deepcopy "
+        "of the state) before the call and pass the clone")
+
+
+def test_a_state_inside_the_carry_at_an_offset_is_absorbed_through_a_copy():
+    """The last two frames of the handed-out state live in the carry, overlapping where they are
+    absorbed to (its first frames): they are copied out first, and the call runs as stock."""
+    c = cadence_fx.compile(Window(), _window())
+    state = _call(c, torch.randn(1, 2, 2), torch.randn(1, 2, 4))[1]
+    tail = state[:, :, 1:3]
+    assert tail.untyped_storage().data_ptr() == c.carries["k"].tensor.untyped_storage().data_ptr()
+    _call(c, torch.randn(1, 2, 2), tail)
+    assert (c.counters.compiled_calls, c.counters.fallbacks, c.counters.absorptions) == (2, 0, 2)
