@@ -6,7 +6,9 @@ import torch
 
 import cadence_fx
 from cadence_fx import adapters
+from cadence_fx.fx_utils import aten
 from cadence_fx.models.freeze_omni import FreezeOmniEncoder
+from op_count import OpCount, difference
 
 
 def _stream(step, enc, feats, reset_at):
@@ -51,3 +53,26 @@ def test_freeze_omni_stream_bit_exact_with_k_2():
 def test_freeze_omni_catalog_is_two_classes():
     cat = cadence_fx.catalog.build_catalog(adapters.get("freeze-omni"))
     assert tuple(cat.region("att_cache").extents) == (0, 4) and cat.region("att_cache").K == 2
+
+
+def test_a_steady_chunk_launches_no_more_kernels_than_stock():
+    """Per steady chunk (the attention cache at its window): the aten ops that launch a kernel,
+    compiled against stock from the same state. The stacked K/V and the conv context are written
+    on the carry in place of stock's cat + stack + slice."""
+    enc = FreezeOmniEncoder(layers=4, dim=256, heads=4, ffn=1024).eval()
+    adapter = adapters.get("freeze-omni").with_clocks(layers=4, heads=4, head_dim=64)
+    g = torch.Generator().manual_seed(3)
+    feats = [torch.randn(1, 16, 80, generator=g) for _ in range(3)]
+    compiled = cadence_fx.compile(enc, adapter)
+    with torch.no_grad():
+        state = compiled(feats[1], compiled(feats[0], enc.initial_state())[1])[1]
+        ref = {k: v.clone() for k, v in state.items()}
+        with OpCount() as ours:
+            y, _ = compiled(feats[2], state)
+        with OpCount() as theirs:
+            want, _ = enc(feats[2], ref)
+    assert torch.equal(y, want)
+    k = compiled.counters
+    assert (k.compiled_calls, k.fallbacks, k.traces) == (3, 0, 2)
+    assert ours.total <= theirs.total, difference(ours, theirs)
+    assert ours.ops[aten.stack.default] == 0 < theirs.ops[aten.stack.default]

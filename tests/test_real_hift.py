@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import cadence_fx
+from op_count import OpCount, difference
 from stock_packages import TOKEN2WAV, require
 
 require(*TOKEN2WAV)   # skips only when a third-party package is absent
@@ -77,3 +78,28 @@ def test_hift_replays_bit_exact_on_cuda_with_pinned_kernels():
     hoisted = [k for e in compiled.classes.values() for k in e.records["constants"]
                if k["host_to_device"]]
     assert hoisted  # the STFT window and the harmonic multipliers are no longer copied per call
+
+
+def test_a_steady_chunk_launches_no_more_kernels_than_stock():
+    """Per steady 50-frame chunk: the aten ops that launch a kernel, compiled against stock from
+    the same cache and generator state (the mel context written on the carry in place of stock's
+    concat + tail)."""
+    step = token2wav.HiFTStep(token2wav.build_hift())
+    g = torch.Generator().manual_seed(4)
+    mels = [torch.randn(1, 80, 50, generator=g) for _ in range(3)]
+    compiled = cadence_fx.compile(step, "minicpmo-token2wav-hift")
+    torch.manual_seed(5)
+    with torch.inference_mode():
+        cache = compiled(mels[1], compiled(mels[0], token2wav.empty_hift_cache("cpu"))[1])[1]
+        ref = {k: v.clone() for k, v in cache.items()}
+        torch.manual_seed(6)
+        with OpCount() as ours:
+            pcm, _ = compiled(mels[2], cache)
+        torch.manual_seed(6)
+        with OpCount() as theirs:
+            want, _ = step(mels[2], ref)
+    assert torch.equal(pcm, want)
+    c = compiled.counters
+    assert (c.compiled_calls, c.fallbacks, c.traces) == (3, 0, 2)
+    assert ours.total <= theirs.total, difference(ours, theirs)
+    assert ours.ops[torch.ops.aten.concat.default] < theirs.ops[torch.ops.aten.concat.default]
