@@ -1,6 +1,5 @@
 """cadence_fx: exact state and exact-shape replay for streaming speech models, from declared clocks."""
 from .catalog import Catalog, build_catalog
-from .determinism import pin_deterministic_kernels
 from .contract import APPEND, PREPEND, Adapter, Effects, PromptRetained, Region, Ring, SlidingWindow
 from .errors import CadenceError, ContractError, GuardError, ShadowMismatch, TraceError
 
@@ -11,7 +10,10 @@ __all__ = ["compile", "CompiledStep", "SessionPool", "Adapter", "Region", "Promp
 __version__ = "0.1.0"
 
 
-def __getattr__(name):  # the runtime pulls in torch.fx machinery; load it on first use
+def __getattr__(name):  # torch and the runtime load on first use (`cadence-fx --help` needs neither)
+    if name == "pin_deterministic_kernels":
+        from .determinism import pin_deterministic_kernels
+        return pin_deterministic_kernels
     if name in ("compile", "CompiledStep"):
         from . import runtime
         return getattr(runtime, name)

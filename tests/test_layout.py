@@ -2,6 +2,8 @@
 reader can hold. Walks the source, so it fails when a change breaks either."""
 import ast
 import pathlib
+import subprocess
+import sys
 
 import networkx as nx
 import pytest
@@ -72,3 +74,15 @@ def test_no_import_cycle_between_modules():
 def test_module_fits_one_reader(name, path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{name} has {lines} lines; split it along the architecture"
+
+
+def test_the_command_line_help_does_not_import_torch():
+    """``cadence-fx --help`` (and each subcommand's) answers without loading torch."""
+    code = ("import sys\nfrom cadence_fx.cli import main\n"
+            "for argv in (['--help'], ['demo', '--help'], ['analyze', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "usage: cadence-fx" in out.stdout and out.stdout.strip().endswith("False")
+    import cadence_fx
+    assert callable(cadence_fx.pin_deterministic_kernels)
