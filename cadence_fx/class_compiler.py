@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from . import progress
 from .context import PassContext, RegionBinding
 from .contract import Adapter
 from .effects import RngSnapshot, TensorSnapshot
@@ -54,8 +55,11 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
     # stock code may register buffers lazily, after ``compile`` (Mimi's codebook cache)
     cs._params.update(cs.module.named_parameters())
     cs._buffers.update(cs.module.named_buffers())
+    label = _label(cs, key)
+    progress.note("%s: tracing ...", label, running=True)
     traced = _trace(cs, key, named)
     if traced is None:
+        progress.note("%s: runs the stock step (%s)", label, cs._rejected.get(key, "not traced"))
         return None
     probe_start = time.perf_counter()
     reason = probe_effects(cs, traced, named)
@@ -63,6 +67,7 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
     if reason is not None:
         log.warning("class %s rejected: %s", key[0], reason)
         cs._rejected[key] = reason
+        progress.note("%s: runs the stock step (%s)", label, reason)
         return None
     if cs.backend is None:
         cs.backend = choose_backend(cs, named)
@@ -83,6 +88,7 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
             raise
         log.warning("class %s runs the stock step: %s", key[0], e)
         cs._rejected[key] = str(e)
+        progress.note("%s: runs the stock step (%s)", label, e)
         return None
     # Buffers the rewritten step still writes get a private copy: the user's module is never
     # written by the compiled path (envelopes replaced by carries are gone by now).
@@ -111,7 +117,18 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
     cs.classes[key] = entry
     log.info("class %s compiled: %d nodes traced in %.2fs", key[0], len(traced.gm.graph.nodes),
              traced.seconds)
+    progress.note("%s: traced %.1f s (%d nodes), probe %.1f s, passes %.1f s", label,
+                  traced.seconds, len(traced.gm.graph.nodes), probe_s,
+                  sum(p["seconds"] for p in ctx.records["passes"]))
     return entry
+
+
+def _label(cs, key) -> str:
+    """``class 3/6 ((24, 24, 4), 8)``: the class and its place in the catalog (a class outside
+    it, such as a priming pass, has none)."""
+    classes = list(getattr(cs.catalog, "classes", ()))
+    where = f" {classes.index(key[0]) + 1}/{len(classes)}" if key[0] in classes else ""
+    return f"class{where} {key[0]}"
 
 
 def _trace(cs, key, named) -> Optional[TracedStep]:

@@ -173,12 +173,17 @@ def _stream_report(model: str, chunks: Optional[int], verify: bool) -> str:
 
 
 def _demo(args) -> int:
+    from cadence_fx import progress
     from cadence_fx.demo import run_demo
+    if not args.quiet:
+        progress.show()
     try:
         result = run_demo(model=args.model, device=args.device, chunks=args.chunks)
     except (ValueError, RuntimeError, ImportError) as e:  # bad input, no CUDA, model not installed
         print(f"cadence-fx demo: {e}", file=sys.stderr)
         return 2
+    finally:
+        progress.hide()
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -220,6 +225,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     d.add_argument("--chunks", type=int, default=None,
                    help="chunks in the stream (default: 4 on the CPU, 16 on CUDA and for the toy)")
     d.add_argument("--json", action="store_true")
+    d.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (which class is tracing, how long it took)")
     d.set_defaults(run=_demo)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -32,6 +32,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from . import progress
+
 __all__ = ["run_demo", "MODELS"]
 
 MODELS = ("token2wav", "moshi", "freeze-omni", "toy")
@@ -324,17 +326,24 @@ def run_demo(model: str = "token2wav", device: str = "cpu", chunks: Optional[int
     if model == "token2wav" and dev.type == "cuda":
         from .determinism import pin_deterministic_kernels
         pin_deterministic_kernels()
+    progress.note("demo %s on %s: building the model ...", model, dev.type, running=True)
     stream = _BUILDERS[model](dev, chunks)
+    progress.note("demo %s: stock stream, 2 passes of %d chunks ...", model, stream.chunks,
+                  running=True)
     stock_runs, stock_times, stock_peak = _passes(stream.stock, dev)
+    progress.note("demo %s: stock p50 %.1f ms per chunk", model, statistics.median(stock_times))
     if stream.prepare_compiled is not None:
         stream.prepare_compiled()
     first = stream.compiled(_Clock(dev))                     # traces and captures here
+    progress.note("demo %s: compiled, timing and comparing ...", model, running=True)
     warm = {n: (s.counters.replays, s.counters.fallbacks) for n, s in stream.steps.items()}
     second, times, compiled_peak = _passes(stream.compiled, dev, runs=1)
     ref = stock_runs[-1]
     runs = [first, second[0]]
     equal = stream.equal or _same
     if verify and stream.audit is not None:  # the shadow auditor on every carry write (syncs)
+        progress.note("demo %s: the shadow audit pass (every carry write checked) ...", model,
+                      running=True)
         runs.append(stream.extra["audit_run"](lambda i: None))
     bit_exact = all(len(r) == len(ref) and all(map(equal, ref, r)) for r in runs)
     steps = {}

@@ -1,18 +1,20 @@
 """Ahead of traffic: compile (and on CUDA capture) classes before the first chunk arrives.
 
 ``prepare`` compiles the class of one example call; ``capture_catalog`` re-cuts one example to every
-class of the catalog and prepares each. Neither is traffic: carries, private buffers, arguments,
+class of the catalog and prepares each (each class's time goes to ``cadence_fx.progress``). Neither is traffic: carries, private buffers, arguments,
 generators and counters are left exactly as they were.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from typing import Dict, Tuple
 
 import torch
 import torch.utils._pytree as pytree
 
+from . import progress
 from .effects import RngSnapshot, TensorSnapshot
 from .tracing import bind_arguments, leaves_with_paths
 
@@ -58,7 +60,8 @@ def capture_catalog(cs, args, kwargs) -> Dict[Tuple, bool]:
     width = x.shape[ad.call_dim] if isinstance(x, torch.Tensor) else None
     regions = {r.input for r in ad.regions}
     done = {}
-    for extents, w in cs.catalog.classes:
+    for i, (extents, w) in enumerate(cs.catalog.classes):
+        start = time.perf_counter()
         synth = dict(by_path)
         for r, e in zip(ad.regions, extents):
             t = by_path.get(r.input)
@@ -74,6 +77,9 @@ def capture_catalog(cs, args, kwargs) -> Dict[Tuple, bool]:
                     size[ad.call_dim] = w
                     synth[path] = torch.zeros(size, dtype=t.dtype, device=t.device)
         done[(extents, w)] = prepare(cs, (), _replace_leaves(named, synth))
+        progress.note("class %d/%d %s: %s in %.1f s", i + 1, len(cs.catalog.classes),
+                      (extents, w), "ready" if done[(extents, w)] else "not prepared",
+                      time.perf_counter() - start)
     return done
 
 
