@@ -1,5 +1,6 @@
 """The CLI's JSON contract, the torch.compile backend and the report."""
 import json
+import pathlib
 
 import pytest
 import torch
@@ -46,6 +47,16 @@ def test_demo_toy_cpu(capsys):
     assert d["carry_addresses"] == 1 and d["stock_state_addresses"] > 1
     assert d["retentions"] > 0 and d["fallbacks"] == 0
     assert d["compiled_peak_bytes"] < d["stock_peak_bytes"]
+    # several timed passes, each one's p50, and the spread of the speedup between them
+    assert d["timed_passes"] == len(d["stock_ms_p50_per_pass"]) == len(d["compiled_ms_p50_per_pass"]) == 2
+    low, high = d["speedup_p50_spread"]
+    assert 0 < low <= high and "expect about stock speed" in d["note"]
+    # every key is documented in docs/benchmarks.md ("The demo's JSON"), and every step's too
+    doc = pathlib.Path(__file__).resolve().parents[1].joinpath("docs", "benchmarks.md").read_text()
+    table = doc.split("## The demo's JSON")[1].split("\n## ")[0]
+    assert not [k for k in d if f"`{k}`" not in table]
+    inner = {k for v in d["per_invocation"].values() for k in list(v) + list(v.get("memory", {}))}
+    assert "carry_bytes" in inner and not [k for k in inner if f"`{k}`" not in table]
 
 
 def test_demo_bad_input_is_a_clean_error(capsys):
