@@ -212,7 +212,8 @@ class EnvelopeReads(nn.Module):
     negative select (slots 1 and 2 hold ``spare``, never written); ``slot-added-in-place``, slot
     2 as the source of an in-place add; ``frames-added-in-place``, frames [6, 8) of slot 0
     (never written: zeros); ``permuted-copy``, a frames-first copy of every slot, doubled and
-    summed over the slots (zeros but slot 0); ``writes-slot-1``, none, but it writes x into slot 1;
+    summed over the slots (zeros but slot 0); ``as-double``, slot 0 summed over its frames in float64
+    (``dtype`` is a keyword argument of the traced op); ``writes-slot-1``, none, but it writes x into slot 1;
     ``past-extent``, frame 7 of slot 0, one past the carry's 6 frames, by select (never written:
     zeros)."""
     W = 4
@@ -240,6 +241,8 @@ class EnvelopeReads(nn.Module):
             y.add_(self.env[0:1, :, 6:8])
         elif self.read == "permuted-copy":
             y = (self.env[:, :, :n].permute(2, 1, 0).clone() * 2).sum(2, keepdim=True)
+        elif self.read == "as-double":
+            y = self.env[0:1, :, :n].sum(2, keepdim=True, dtype=torch.float64) * 2
         elif self.read == "writes-slot-1":
             self.env[1:2, :, :x.shape[2]] = x
             y = x * 2
@@ -299,14 +302,19 @@ def test_an_envelope_read_beyond_the_carry_is_a_near_miss_naming_its_rows(read, 
     assert miss.startswith(detail) if detail.endswith(": ") else miss == detail
 
 
-def test_fake_values_after_the_envelope_is_replaced_are_those_of_the_rewritten_graph():
+@pytest.mark.parametrize("read,node,layout", [
+    ("permuted-copy", "mul", ((6, 2, 1), (1, 6, 12), torch.float32)),
+    ("as-double", "mul", ((1, 2, 1), (2, 1, 1), torch.float64)),
+])
+def test_fake_values_after_the_envelope_is_replaced_are_those_of_the_rewritten_graph(read, node,
+                                                                                     layout):
     """Replacing the (3, 2, 16) envelope by the (1, 2, 6) carry changes the shape of the copy of
     every slot, (6, 2, 3) -> (6, 2, 1), not its strides: the fake values downstream of it (the
-    doubling) are recomputed too, and every fake value of the rewritten graph is what fake
-    propagation of that graph gives."""
+    doubling) are recomputed too; a float64 sum is recomputed with its ``dtype`` keyword.
+    Every fake value of the rewritten graph is what fake propagation of that graph gives."""
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    kinds, misses, steady = _envelope_stream("permuted-copy", entry=True)
+    kinds, misses, steady = _envelope_stream(read, entry=True)
     assert (kinds, misses) == (["envelope", "materialize"], [])
     gm = steady.records["graph"]
 
@@ -319,4 +327,33 @@ def test_fake_values_after_the_envelope_is_replaced_are_those_of_the_rewritten_g
     FakeTensorProp(gm, placeholders[0].fake_mode).propagate_dont_convert_inputs(*placeholders)
     fresh = layouts()   # (the copies the materialize rewrite inserts carry no fake value)
     assert stored == {name: fresh[name] for name in stored}
-    assert stored["mul"][0] == (6, 2, 1)
+    assert stored[node] == layout
+
+
+class HandsOutAViewOfTheWindow(nn.Module):
+    """Besides the new state (the last 4 frames of the concatenation, which is also read whole)
+    the step returns the window's oldest frame, a view of a view of the concatenation. Once the
+    concatenation is a view of the carry, so is that frame: it is handed out as a copy."""
+
+    def forward(self, x, cache):
+        full = torch.cat([cache, x], 2)
+        new = full[:, :, -4:]
+        return full * 2, new, new[:, :, :1]
+
+
+def test_a_view_of_a_view_of_the_concatenation_is_handed_out_as_a_copy():
+    model = HandsOutAViewOfTheWindow()
+    compiled = cadence_fx.compile(model, _adapter(4, 2))
+    g = torch.Generator().manual_seed(5)
+    ours = ref = torch.zeros(1, 2, 0)
+    held = []
+    for _ in range(5):
+        x = torch.randn(1, 2, 2, generator=g)
+        with torch.no_grad():
+            (y, ours, first), (y_ref, ref, first_ref) = compiled(x, ours), model(x, ref)
+        assert torch.equal(y, y_ref) and torch.equal(ours, ref)
+        held.append((first, first_ref))
+    assert all(torch.equal(a, b) for a, b in held)   # none changed under a later call
+    assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (5, 0)
+    (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
+    assert [r["kind"] for r in steady.records["rewrites"]] == ["retention"]
