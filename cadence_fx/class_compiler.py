@@ -132,11 +132,17 @@ def _label(cs, key) -> str:
 
 
 def _trace(cs, key, named) -> Optional[TracedStep]:
-    """The class's aten graph: a copy of a shared trace, or a fresh make_fx trace."""
+    """The class's aten graph: a copy of a shared trace, the persistent compile cache's, or a
+    fresh make_fx trace (then stored in both)."""
     cache_key = (id(cs.module), getattr(cs._fn, "__func__", cs._fn), key)
     cached = None if cs.trace_cache is None else cs.trace_cache.get(cache_key)
     if cached is not None:
         return copy_traced(cached)
+    if cs.compile_cache is not None:
+        loaded = cs.compile_cache.load(key)
+        if loaded is not None:
+            cs.counters.cache_loads += 1
+            return _keep(cs, cache_key, key, loaded)
     rng = RngSnapshot()  # tracing runs the step's Python code: keep its draws invisible
     try:
         traced = trace_step(cs.module, cs._fn, named, tracing_mode=cs.tracing_mode,
@@ -153,6 +159,13 @@ def _trace(cs, key, named) -> Optional[TracedStep]:
     cs.counters.copied_calls += traced.copied_calls
     for method, why in traced.refused.items():
         log.info("class %s: %s traced at every call: %s", key[0], method, why)
+    if cs.compile_cache is not None:
+        cs.compile_cache.store(key, traced)
+    return _keep(cs, cache_key, key, traced)
+
+
+def _keep(cs, cache_key, key, traced: TracedStep) -> TracedStep:
+    """Keep a copy of the trace the passes are about to rewrite: shared, or for the report."""
     if cs.trace_cache is not None:
         cs.trace_cache[cache_key] = copy_traced(traced)
     elif cs.keep_before:

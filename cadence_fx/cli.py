@@ -1,5 +1,5 @@
 """``cadence-fx``: inspect an adapter's catalog before any model runs, explain it, write the
-HTML report of a short stream, or run the demo.
+HTML report of a short stream, run the demo, or list and clear the persistent compile cache.
 
 An adapter is named three ways: a registered name (``minicpmo-token2wav``), a module attribute
 (``pkg.module:NAME``) or an attribute of a Python file (``path/to/file.py:NAME``).
@@ -192,6 +192,25 @@ def _demo(args) -> int:
     return 0 if result["bit_exact"] else 1
 
 
+def _cache(args) -> int:
+    from cadence_fx import compile_cache
+    root = args.dir or compile_cache.default_dir()
+    if args.action == "clear":
+        print(f"removed {compile_cache.clear(root)} cached steps from {root}")
+        return 0
+    rows = compile_cache.entries(root)
+    if args.json:
+        print(json.dumps({"dir": str(root), "entries": rows}, indent=2))
+    elif not rows:
+        print(f"no cached steps in {root}")
+    else:
+        print(f"{root}:")
+        for r in rows:
+            print(f"  {r['model']} ({r['step']}), adapter {r['adapter']}: {r['classes']} classes, "
+                  f"{r['bytes'] / 2**20:.1f} MiB, created {r['created']}, torch {r['torch']}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="cadence-fx", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -228,6 +247,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     d.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (which class is tracing, how long it took)")
     d.set_defaults(run=_demo)
+    c = sub.add_parser("cache", help="list or clear the persistent compile cache")
+    c.add_argument("action", choices=["ls", "clear"])
+    c.add_argument("--dir", default=None,
+                   help="the cache directory (default: $CADENCE_FX_CACHE_DIR, else ~/.cache/cadence_fx)")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(run=_cache)
     args = parser.parse_args(argv)
     return args.run(args)
 

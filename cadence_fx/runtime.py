@@ -27,6 +27,7 @@ from .admission import Admission, check_paths
 from .audit import Auditor
 from .catalog import Catalog, build_catalog
 from .class_compiler import ClassEntry, compile_class, method_targets
+from .compile_cache import CompileCache
 from .context import Carry
 from .contract import Adapter
 from .counters import Counters
@@ -49,7 +50,8 @@ class CompiledStep:
                  backend=None, tracing_mode: str = "fake",
                  carries: Optional[Dict[str, Carry]] = None, graphs: bool = True,
                  copy_outputs: bool = True, release_envelopes: bool = False,
-                 trace_cache: Optional[dict] = None, keep_before: bool = True):
+                 trace_cache: Optional[dict] = None, keep_before: bool = True,
+                 cache_dir=None):
         self.step = step
         self.adapter = adapter.validate()
         self.catalog: Catalog = build_catalog(adapter)
@@ -78,6 +80,7 @@ class CompiledStep:
         self.envelopes = Envelopes(self._params, self._buffers, self.counters)
         self._pipeline = build_pipeline(options)
         self._fn = step.forward if isinstance(step, torch.nn.Module) else step
+        self.compile_cache = None if cache_dir is None else CompileCache(cache_dir, self)
         self._arguments = inspect.signature(self._fn)  # bound on every call: inspect it once
         check_paths(self.adapter, self._arguments)
         # tensor attributes the adapter declares constant (e.g. HiFT's ``stft_window``)
@@ -221,7 +224,8 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
             backend=None, tracing_mode: str = "fake",
             carries: Optional[Dict[str, Carry]] = None, copy_outputs: bool = True,
             options: Optional[Options] = None, release_envelopes: bool = False,
-            trace_cache: Optional[dict] = None, keep_before: bool = True) -> CompiledStep:
+            trace_cache: Optional[dict] = None, keep_before: bool = True,
+            cache_dir=None) -> CompiledStep:
     """Compile a streaming step against an adapter.
 
     ``step`` is a module (its ``forward`` is the step) or a callable; a plain callable names the
@@ -241,6 +245,9 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
     value the step reads. ``keep_before`` keeps a copy of each class's graph as traced, before the
     passes rewrite it, for the report's before/after view (``report()``); ``False`` skips the copy
     (a graph copy per class at compile time) and the report shows the graph after the passes only.
+    ``cache_dir`` (default: ``CADENCE_FX_CACHE_DIR`` when set) keeps each class's trace on disk,
+    so a restarted process loads it instead of tracing (``compile_cache.py``; ``cadence-fx cache
+    ls|clear``); the passes, the probationary call and the capture run again.
     """
     if tracing_mode != "fake":
         raise ValueError(f"tracing_mode {tracing_mode!r}: cadence_fx traces exact shapes with fake "
@@ -263,4 +270,6 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
                         backend=backend, tracing_mode=tracing_mode, carries=carries,
                         graphs=graphs, copy_outputs=copy_outputs,
                         release_envelopes=release_envelopes, trace_cache=trace_cache,
-                        keep_before=keep_before)
+                        keep_before=keep_before,
+                        cache_dir=cache_dir if cache_dir is not None
+                        else os.environ.get("CADENCE_FX_CACHE_DIR") or None)

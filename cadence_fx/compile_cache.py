@@ -1,0 +1,197 @@
+"""A persistent compile cache: each class's trace on disk, so a restarted process skips tracing.
+
+Tracing is most of a cold compile (the Token2Wav flow's classes take seconds to minutes each);
+the passes that follow take a fraction of a second per class and run again on a load, as do the
+probationary call and the capture (device graphs and addresses belong to one process).
+
+What is stored, per class: the traced aten graph, pickled with torch's own
+``torch.fx._graph_pickler.GraphPickler`` (the format torch's AOTAutograd cache uses for graphs
+whose nodes carry fake tensors: each fake value is stored as its metadata and made again in a
+fresh ``FakeTensorMode`` on load), and the trace's input specs and result structure. Layout::
+
+    CACHE_DIR/<step key>/meta.json          model, step, adapter, torch, created
+    CACHE_DIR/<step key>/<class key>.trace  one header line (JSON) + the pickled payload
+
+The step key hashes everything that can change a trace but the signature: the step's source and
+every module class's, the adapter (all fields), parameter and buffer names, shapes and dtypes (not
+their values: new weights reuse the cache), the pass options, torch's and cadence_fx's versions.
+The class key hashes the signature class (shapes, strides, dtypes, devices, argument structure,
+grad and inference modes). The header repeats both keys in full and the payload's SHA-256: an
+entry whose keys differ (a foreign file), whose digest does not match (a truncated or corrupt
+write) or that does not load is reported with a warning and traced again, never used. Writes go
+to a temporary file renamed into place, so processes writing at once leave a valid entry.
+
+Entries are Python pickles: load only a cache directory you trust, as with torch's caches.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import inspect
+import io
+import json
+import logging
+import os
+import pickle
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+import torch.utils._pytree as pytree
+
+from .tracing import TracedStep
+
+__all__ = ["CompileCache", "entries", "clear", "default_dir", "FORMAT"]
+
+FORMAT = 1
+log = logging.getLogger(__name__)
+
+
+def default_dir() -> Path:
+    """``CADENCE_FX_CACHE_DIR``, else ``~/.cache/cadence_fx`` (the CLI's default)."""
+    env = os.environ.get("CADENCE_FX_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "cadence_fx"
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):   # built in, or defined where there is no source
+        return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class CompileCache:
+    """The cache of one compiled step (``cs``: a ``runtime.CompiledStep``) under ``root``."""
+
+    def __init__(self, root, cs):
+        import cadence_fx
+        fn = getattr(cs._fn, "__func__", cs._fn)
+        module_types = sorted({type(m) for m in cs.module.modules()},
+                              key=lambda t: f"{t.__module__}.{t.__qualname__}")
+        parts = {
+            "format": FORMAT, "cadence_fx": cadence_fx.__version__, "torch": torch.__version__,
+            "step": _source(fn), "modules": [_source(t) for t in module_types],
+            "adapter": repr(cs.adapter), "options": repr(cs.options),
+            "tracing_mode": cs.tracing_mode,
+            "tensors": [(n, tuple(t.shape), str(t.dtype), t.device.type)
+                        for n, t in list(cs._params.items()) + list(cs._buffers.items())],
+        }
+        self.step_key = _digest(json.dumps(parts, sort_keys=True, default=str))
+        self.dir = Path(root) / self.step_key[:24]
+        self.meta = {"model": type(cs.module).__qualname__, "step": getattr(fn, "__qualname__", str(fn)),
+                     "adapter": cs.adapter.name, "torch": torch.__version__,
+                     "cadence_fx": cadence_fx.__version__, "step_key": self.step_key}
+        self.loads = self.stores = 0
+
+    @staticmethod
+    def class_key(key) -> str:
+        return _digest(repr(key))
+
+    def _path(self, key) -> Path:
+        return self.dir / f"{self.class_key(key)[:24]}.trace"
+
+    def load(self, key) -> Optional[TracedStep]:
+        """The class's trace from the cache, or None (absent; or unusable, with a warning)."""
+        path = self._path(key)
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            return self._unusable(path, f"unreadable ({e})")
+        head, sep, payload = blob.partition(b"\n")
+        try:
+            header = json.loads(head)
+        except ValueError:
+            return self._unusable(path, "not a cadence_fx cache entry (no header)")
+        if not sep or header.get("format") != FORMAT:
+            return self._unusable(path, f"of another format ({header.get('format')!r})")
+        if header.get("step_key") != self.step_key or header.get("class_key") != self.class_key(key):
+            return self._unusable(path, "written for another step or class (foreign entry)")
+        if len(payload) != header.get("bytes") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+            return self._unusable(path, "truncated or corrupt (its digest does not match)")
+        try:
+            fields = pickle.loads(payload)
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            from torch.fx._graph_pickler import GraphPickler
+            gm = GraphPickler.loads(fields.pop("gm"), FakeTensorMode())
+            fields["out_spec"] = pytree.treespec_loads(fields["out_spec"])
+            traced = TracedStep(gm=gm, **fields)
+        except Exception as e:  # noqa: BLE001 - a cache entry must never break a compile
+            return self._unusable(path, f"not loadable ({type(e).__name__}: {e})")
+        self.loads += 1
+        return traced
+
+    def store(self, key, traced: TracedStep) -> bool:
+        """Write the class's trace; False (logged) when it cannot be stored."""
+        try:
+            from torch.fx._graph_pickler import GraphPickler, Options
+            fields = {f: getattr(traced, f) for f in ("inputs", "out_spec", "out_paths",
+                                                      "out_constants", "out_tensor_index", "seconds",
+                                                      "copied_calls", "refused")}
+            fields["gm"] = GraphPickler.dumps(traced.gm, Options(ops_filter=None))
+            fields["out_spec"] = pytree.treespec_dumps(traced.out_spec)   # torch's own format
+            payload = pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - the class works without its cache entry
+            log.warning("class %s not cached: %s: %s", key[0], type(e).__name__, e)
+            return False
+        header = {"format": FORMAT, "step_key": self.step_key, "class_key": self.class_key(key),
+                  "class": repr(key[0]), "bytes": len(payload),
+                  "sha256": hashlib.sha256(payload).hexdigest()}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self._path(key), json.dumps(header).encode() + b"\n" + payload)
+        meta = self.dir / "meta.json"
+        if not meta.exists():
+            created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            _atomic_write(meta, json.dumps(dict(self.meta, created=created), indent=1).encode())
+        self.stores += 1
+        return True
+
+    def _unusable(self, path: Path, why: str) -> None:
+        warnings.warn(f"cadence_fx compile cache: {path} is {why}; the class is traced again and "
+                      "the entry rewritten", RuntimeWarning, stacklevel=4)
+        return None
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with io.FileIO(fd, "w") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def entries(root=None) -> List[Dict]:
+    """One row per cached step: model, step, adapter, classes, bytes, created, where."""
+    root = Path(root) if root is not None else default_dir()
+    rows = []
+    for d in sorted(p for p in root.glob("*") if p.is_dir()) if root.is_dir() else []:
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+        except (OSError, ValueError):
+            meta = {}
+        traces = list(d.glob("*.trace"))
+        rows.append({"model": meta.get("model", "?"), "step": meta.get("step", "?"),
+                     "adapter": meta.get("adapter", "?"), "classes": len(traces),
+                     "bytes": sum(p.stat().st_size for p in d.iterdir() if p.is_file()),
+                     "created": meta.get("created", "?"), "torch": meta.get("torch", "?"),
+                     "path": str(d)})
+    return rows
+
+
+def clear(root=None) -> int:
+    """Remove every cached step under ``root``; returns how many."""
+    import shutil
+    rows = entries(root)
+    for row in rows:
+        shutil.rmtree(row["path"], ignore_errors=True)
+    return len(rows)

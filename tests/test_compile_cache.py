@@ -1,0 +1,175 @@
+"""The persistent compile cache (``cadence_fx/compile_cache.py``): a later process loads each class
+instead of tracing it and stays bit-exact; whatever can change a trace changes the key; new weights
+reuse it; corrupt, truncated and foreign entries are reported and traced again; processes writing
+at once leave a valid cache; ``cadence-fx cache ls|clear``; the environment variable and the
+torch.compile backend's option. Every stream compares each call with the stock module
+(``torch.equal``) and asserts what was traced and what was loaded."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import cadence_fx
+from cadence_fx.cli import main
+from cadence_fx.models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
+from cadence_fx.pipeline import Options
+
+WIDTHS = [8, 8, 8, 8, 10]      # three extents, two widths: four classes
+
+
+def _prompt(model, seed=11):
+    with torch.no_grad():
+        _, state = model(torch.randn(1, 24, 64, generator=torch.Generator().manual_seed(seed)), None)
+    return {k: v.clone() for k, v in state.items()}
+
+
+def _stream(model, adapter=PROMPT_RETAINED_ADAPTER, **kw):
+    """Compile ``model``, stream it against stock; returns the compiled step."""
+    compiled = cadence_fx.compile(model, adapter, **kw)
+    g = torch.Generator().manual_seed(5)
+    state = ref = _prompt(model)
+    for w in WIDTHS:
+        x = torch.randn(1, w, 64, generator=g)
+        with torch.no_grad():
+            y, state = compiled(x, state)
+            want, ref = model(x, {k: v.clone() for k, v in ref.items()})
+        assert torch.equal(y, want) and all(torch.equal(state[k], ref[k]) for k in ref)
+    k = compiled.counters
+    assert (k.compiled_calls, k.fallbacks) == (len(WIDTHS), 0)
+    return compiled
+
+
+def _entries(d):
+    return sorted(Path(d).glob("*/*.trace"))
+
+
+def test_a_second_step_loads_every_class_instead_of_tracing(tmp_path):
+    first = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    n = len(first.classes)
+    assert (first.counters.traces, first.counters.cache_loads) == (n, 0) and n == 4
+    assert len(_entries(tmp_path)) == n
+    second = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    assert (second.counters.traces, second.counters.cache_loads) == (0, n)
+    # the loaded classes were rewritten like traced ones
+    kinds = lambda c: sorted(w["kind"] for e in c.classes.values() for w in e.records["rewrites"])  # noqa: E731
+    assert kinds(first) == kinds(second) and "retention" in kinds(second)
+
+
+def test_a_restarted_process_loads_the_cache(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_compile_cache import _stream
+        from cadence_fx.models.toy import PromptRetainedToy
+        c = _stream(PromptRetainedToy(), cache_dir={str(tmp_path)!r})
+        print(c.counters.traces, c.counters.cache_loads)
+    """)
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    assert [r.stdout.split() for r in runs] == [["4", "0"], ["0", "4"]]
+    assert "cadence_fx compile cache" not in runs[1].stderr
+
+
+def test_new_weights_reuse_the_cache_and_give_their_own_results(tmp_path):
+    _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    other = PromptRetainedToy()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.5)
+    c = _stream(other, cache_dir=tmp_path)      # compared with the new weights' stock results
+    assert (c.counters.traces, c.counters.cache_loads) == (0, 4)
+
+
+def test_what_changes_a_trace_changes_the_key(tmp_path, monkeypatch):
+    _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    renamed = dataclasses.replace(PROMPT_RETAINED_ADAPTER, name="prompt-retained-renamed")
+    c = _stream(PromptRetainedToy(), renamed, cache_dir=tmp_path)              # the adapter
+    assert (c.counters.traces, c.counters.cache_loads) == (4, 0)
+    c = _stream(PromptRetainedToy(), cache_dir=tmp_path,                        # the passes
+                options=Options(mask_writes=False))
+    assert (c.counters.traces, c.counters.cache_loads) == (4, 0)
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")    # torch
+    c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    assert (c.counters.traces, c.counters.cache_loads) == (4, 0)
+    assert len({p.parent for p in _entries(tmp_path)}) == 4   # one step directory per key
+
+
+@pytest.mark.parametrize("damage,why", [
+    (lambda b: b[:-100], "truncated or corrupt"),
+    (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "truncated or corrupt"),
+    (lambda b: b"garbage\n" + b, "not a cadence_fx cache entry"),
+])
+def test_a_damaged_entry_is_reported_traced_again_and_rewritten(tmp_path, damage, why):
+    _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    victim = _entries(tmp_path)[0]
+    victim.write_bytes(damage(victim.read_bytes()))
+    with pytest.warns(RuntimeWarning, match=why):
+        c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    assert (c.counters.traces, c.counters.cache_loads) == (1, 3)
+    again = _stream(PromptRetainedToy(), cache_dir=tmp_path)   # the entry was rewritten
+    assert (again.counters.traces, again.counters.cache_loads) == (0, 4)
+
+
+def test_a_foreign_entry_is_not_loaded(tmp_path):
+    _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    a, b = _entries(tmp_path)[:2]
+    b.write_bytes(a.read_bytes())               # another class's entry under this class's name
+    with pytest.warns(RuntimeWarning, match="foreign entry"):
+        c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    assert (c.counters.traces, c.counters.cache_loads) == (1, 3)
+
+
+def test_processes_writing_at_once_leave_a_valid_cache(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_compile_cache import _stream
+        from cadence_fx.models.toy import PromptRetainedToy
+        _stream(PromptRetainedToy(), cache_dir={str(tmp_path)!r})
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(3)]
+    assert [p.wait() for p in procs] == [0, 0, 0]
+    assert len(_entries(tmp_path)) == 4 and not list(Path(tmp_path).glob("*/*.tmp"))
+    c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    assert (c.counters.traces, c.counters.cache_loads) == (0, 4)
+
+
+def test_the_environment_variable_names_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CADENCE_FX_CACHE_DIR", str(tmp_path))
+    _stream(PromptRetainedToy())
+    assert len(_entries(tmp_path)) == 4
+    monkeypatch.delenv("CADENCE_FX_CACHE_DIR")
+    c = _stream(PromptRetainedToy())
+    assert c.compile_cache is None and (c.counters.traces, c.counters.cache_loads) == (4, 0)
+
+
+def test_cache_ls_and_clear(tmp_path, capsys):
+    _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    assert main(["cache", "ls", "--dir", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["entries"]
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["model"], row["adapter"], row["classes"]) == ("PromptRetainedToy",
+                                                              PROMPT_RETAINED_ADAPTER.name, 4)
+    assert row["bytes"] == sum(p.stat().st_size for p in Path(row["path"]).iterdir())
+    assert row["created"].startswith("20")
+    assert main(["cache", "ls", "--dir", str(tmp_path)]) == 0
+    assert "4 classes" in capsys.readouterr().out
+    assert main(["cache", "clear", "--dir", str(tmp_path)]) == 0
+    assert "removed 1 cached steps" in capsys.readouterr().out and not _entries(tmp_path)
+
+
+def test_the_backend_option(tmp_path):
+    torch._dynamo.reset()
+    model = PromptRetainedToy()
+    fn = torch.compile(model, backend="cadence", dynamic=False,
+                       options={"adapter": PROMPT_RETAINED_ADAPTER, "cache_dir": str(tmp_path)})
+    state = _prompt(model)
+    with torch.no_grad():
+        fn(torch.randn(1, 8, 64), state)
+    torch._dynamo.reset()
+    assert _entries(tmp_path) and os.path.isfile(next(Path(tmp_path).glob("*/meta.json")))
