@@ -117,9 +117,9 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
     cs.classes[key] = entry
     log.info("class %s compiled: %d nodes traced in %.2fs", key[0], len(traced.gm.graph.nodes),
              traced.seconds)
-    progress.note("%s: traced %.1f s (%d nodes), probe %.1f s, passes %.1f s", label,
-                  traced.seconds, len(traced.gm.graph.nodes), probe_s,
-                  sum(p["seconds"] for p in ctx.records["passes"]))
+    progress.note("%s: %s (%d nodes), probe %.1f s, passes %.1f s", label,
+                  "loaded from the compile cache" if traced.loaded else f"traced {traced.seconds:.1f} s",
+                  len(traced.gm.graph.nodes), probe_s, sum(p["seconds"] for p in ctx.records["passes"]))
     return entry
 
 

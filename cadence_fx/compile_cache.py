@@ -34,6 +34,7 @@ import logging
 import os
 import pickle
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -88,6 +89,7 @@ class CompileCache:
                      "adapter": cs.adapter.name, "torch": torch.__version__,
                      "cadence_fx": cadence_fx.__version__, "step_key": self.step_key}
         self.loads = self.stores = 0
+        self.load_seconds = 0.0
 
     @staticmethod
     def class_key(key) -> str:
@@ -98,6 +100,13 @@ class CompileCache:
 
     def load(self, key) -> Optional[TracedStep]:
         """The class's trace from the cache, or None (absent; or unusable, with a warning)."""
+        start = time.perf_counter()
+        try:
+            return self._load(key)
+        finally:
+            self.load_seconds += time.perf_counter() - start
+
+    def _load(self, key) -> Optional[TracedStep]:
         path = self._path(key)
         try:
             blob = path.read_bytes()
@@ -122,7 +131,8 @@ class CompileCache:
             from torch.fx._graph_pickler import GraphPickler
             gm = GraphPickler.loads(fields.pop("gm"), FakeTensorMode())
             fields["out_spec"] = pytree.treespec_loads(fields["out_spec"])
-            traced = TracedStep(gm=gm, **fields)
+            fields["seconds"] = 0.0          # nothing traced in this process
+            traced = TracedStep(gm=gm, loaded=True, **fields)
         except Exception as e:  # noqa: BLE001 - a cache entry must never break a compile
             return self._unusable(path, f"not loadable ({type(e).__name__}: {e})")
         self.loads += 1

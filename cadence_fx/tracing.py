@@ -56,6 +56,7 @@ class TracedStep:
     seconds: float
     copied_calls: int = 0                    # repeated calls copied instead of traced
     refused: Dict[str, str] = dataclasses.field(default_factory=dict)  # method -> why traced in full
+    loaded: bool = False                     # read from the persistent compile cache, not traced
 
 
 def _key_str(k) -> str:

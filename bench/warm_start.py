@@ -1,0 +1,111 @@
+"""Cold vs warm start with the persistent compile cache, in fresh processes, alternated on one host.
+
+    python bench/warm_start.py --model token2wav --device cuda --runs 3 --out warm.json
+
+Each run is a fresh process that builds the demo's stream of ``--model`` (``cadence_fx/demo.py``:
+the real model, a turn reset in the middle), then runs the compiled stream twice: the first pass
+meets every class of the stream and traces (cold: an empty cache directory) or loads (warm: the
+directory the cold run before it filled) each one, then rewrites, probes and captures it; the
+second pass is steady. ``compile_s`` is the first pass's wall time minus the steady pass's: what a
+restart costs before the stream runs at full speed. Runs alternate cold, warm, cold, warm, ... so a
+drift in the host's speed touches both. Per run: ``first_pass_s``, ``steady_pass_s``,
+``compile_s``, and the breakdown summed over the compiled steps: ``trace_s`` (tracing),
+``load_s`` (reading the cache), ``passes_s``, ``probe_s``, ``capture_s``, with ``traces`` and
+``cache_loads``. The result keeps every run and the best of each kind (``whole_cold_s``,
+``whole_warm_s``: the best ``compile_s``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def child(model: str, device: str, chunks) -> dict:
+    import torch
+
+    from cadence_fx.demo import _BUILDERS, _Clock
+
+    dev = torch.device(device)
+    if model == "token2wav" and dev.type == "cuda":
+        from cadence_fx.determinism import pin_deterministic_kernels
+        pin_deterministic_kernels()
+    stream = _BUILDERS[model](dev, chunks or (16 if dev.type == "cuda" else 4))
+    stream.stock(_Clock(dev))                          # library set-up: not a restart's cost
+    if stream.prepare_compiled is not None:
+        stream.prepare_compiled()
+    passes = []
+    for _ in range(2):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        stream.compiled(_Clock(dev))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        passes.append(time.perf_counter() - t0)
+    steps = list(stream.steps.values())
+    records = [e.records for s in steps for e in s.classes.values()]
+    return {
+        "first_pass_s": passes[0], "steady_pass_s": passes[1], "compile_s": passes[0] - passes[1],
+        "trace_s": sum(e.traced.seconds for s in steps for e in s.classes.values()),
+        "load_s": sum(s.compile_cache.load_seconds for s in steps if s.compile_cache),
+        "passes_s": sum(p["seconds"] for r in records for p in r["passes"]),
+        "probe_s": sum(r.get("probe_s", 0.0) for r in records),
+        "capture_s": sum(getattr(s.backend, "capture_seconds", 0.0) for s in steps),
+        "traces": sum(s.counters.traces for s in steps),
+        "cache_loads": sum(s.counters.cache_loads for s in steps),
+        "classes": sum(len(s.classes) for s in steps),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="token2wav")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--chunks", type=int, default=None)
+    ap.add_argument("--runs", type=int, default=2, help="cold/warm pairs")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(child(a.model, a.device, a.chunks)))
+        return 0
+    import torch
+    runs = []
+    cache = tempfile.mkdtemp(prefix="cadence-warm-start-")
+    try:
+        for pair in range(a.runs):
+            for kind in ("cold", "warm"):
+                if kind == "cold":
+                    shutil.rmtree(cache, ignore_errors=True)
+                env = dict(os.environ, CADENCE_FX_CACHE_DIR=cache)
+                cmd = [sys.executable, __file__, "--child", "--model", a.model, "--device", a.device]
+                if a.chunks:
+                    cmd += ["--chunks", str(a.chunks)]
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                if out.returncode != 0:
+                    sys.exit(f"warm_start: the {kind} run failed:\n{out.stderr[-3000:]}")
+                row = dict(json.loads(out.stdout.strip().splitlines()[-1]), kind=kind, pair=pair)
+                runs.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    best = lambda kind: min(r["compile_s"] for r in runs if r["kind"] == kind)  # noqa: E731
+    result = {"model": a.model, "device": a.device, "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None,
+              "commit": os.environ.get("CADENCE_COMMIT", "unknown"),
+              "whole_cold_s": best("cold"), "whole_warm_s": best("warm"), "runs": runs}
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
