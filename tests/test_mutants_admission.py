@@ -266,3 +266,16 @@ def test_a_state_inside_the_carry_at_an_offset_is_absorbed_through_a_copy():
     assert tail.untyped_storage().data_ptr() == c.carries["k"].tensor.untyped_storage().data_ptr()
     _call(c, torch.randn(1, 2, 2), tail)
     assert (c.counters.compiled_calls, c.counters.fallbacks, c.counters.absorptions) == (2, 0, 2)
+
+
+def test_the_carry_is_allocated_on_the_states_device():
+    """A step without weights imposes no device: state on the meta device gets a carry there,
+    and the compiled call runs there (the only other device a CPU run has)."""
+    c = cadence_fx.compile(Window(), _window())
+    x, cache = torch.randn(1, 2, 2, device="meta"), torch.randn(1, 2, 4, device="meta")
+    with torch.no_grad():
+        y, state = c(x, cache)
+    carry = c.carries["k"].tensor
+    assert (carry.device.type, carry.shape, y.device.type, state.shape) == (
+        "meta", (1, 2, 6), "meta", (1, 2, 4))
+    assert (c.counters.compiled_calls, c.counters.fallbacks, c.counters.absorptions) == (1, 0, 1)
