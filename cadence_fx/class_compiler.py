@@ -56,7 +56,7 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
     cs._params.update(cs.module.named_parameters())
     cs._buffers.update(cs.module.named_buffers())
     label = _label(cs, key)
-    progress.note("%s: tracing ...", label, running=True)
+    progress.note("%s: compiling ...", label, running=True)
     traced = _trace(cs, key, named)
     if traced is None:
         progress.note("%s: runs the stock step (%s)", label, cs._rejected.get(key, "not traced"))

@@ -13,7 +13,8 @@ fresh ``FakeTensorMode`` on load), and the trace's input specs and result struct
     CACHE_DIR/<step key>/<class key>.trace  one header line (JSON) + the pickled payload
 
 The step key hashes everything that can change a trace but the signature: the step's source and
-every module class's, the adapter (all fields), parameter and buffer names, shapes and dtypes (not
+every module class's, the files they are defined in (so the helpers beside them count) and the
+installed versions of their packages, the adapter (all fields), parameter and buffer names, shapes and dtypes (not
 their values: new weights reuse the cache), the pass options, torch's and cadence_fx's versions.
 The class key hashes the signature class (shapes, strides, dtypes, devices, argument structure,
 grad and inference modes). The header repeats both keys in full and the payload's SHA-256: an
@@ -63,6 +64,31 @@ def _source(obj) -> str:
         return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
+def _files(objs) -> Dict[str, str]:
+    out = {}
+    for obj in objs:
+        try:
+            path = inspect.getsourcefile(obj)
+        except TypeError:
+            continue
+        if path and path not in out and os.path.isfile(path):
+            out[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return dict(sorted(out.items()))
+
+
+def _packages(objs) -> Dict[str, str]:
+    from importlib import metadata
+    out = {}
+    for obj in objs:
+        top = (getattr(obj, "__module__", None) or "").split(".")[0]
+        if top and top not in out:
+            try:
+                out[top] = metadata.version(top)
+            except metadata.PackageNotFoundError:
+                out[top] = "?"
+    return dict(sorted(out.items()))
+
+
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -78,6 +104,9 @@ class CompileCache:
         parts = {
             "format": FORMAT, "cadence_fx": cadence_fx.__version__, "torch": torch.__version__,
             "step": _source(fn), "modules": [_source(t) for t in module_types],
+            # helpers the step calls live beside it: every file defining the step or a module
+            # class, and the installed version of each package they come from
+            "files": _files([fn, *module_types]), "packages": _packages([fn, *module_types]),
             "adapter": repr(cs.adapter), "options": repr(cs.options),
             "tracing_mode": cs.tracing_mode,
             "tensors": [(n, tuple(t.shape), str(t.dtype), t.device.type)

@@ -1,8 +1,9 @@
 """Ahead of traffic: compile (and on CUDA capture) classes before the first chunk arrives.
 
 ``prepare`` compiles the class of one example call; ``capture_catalog`` re-cuts one example to every
-class of the catalog and prepares each (each class's time goes to ``cadence_fx.progress``). Neither is traffic: carries, private buffers, arguments,
-generators and counters are left exactly as they were.
+class of the catalog and prepares each (each class's time goes to ``cadence_fx.progress``).
+Neither is traffic: carries, private buffers, arguments, generators and counters are left exactly
+as they were.
 """
 from __future__ import annotations
 

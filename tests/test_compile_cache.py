@@ -173,3 +173,31 @@ def test_the_backend_option(tmp_path):
         fn(torch.randn(1, 8, 64), state)
     torch._dynamo.reset()
     assert _entries(tmp_path) and os.path.isfile(next(Path(tmp_path).glob("*/meta.json")))
+
+
+def test_an_edited_helper_beside_the_step_changes_the_key(tmp_path):
+    """The step calls a helper in its own file: editing that file recompiles."""
+    src = tmp_path / "mystep.py"
+    body = textwrap.dedent("""
+        import torch
+        from cadence_fx.models.toy import PromptRetainedToy
+
+        def helper(y):
+            return y * {factor}
+
+        class Helped(PromptRetainedToy):
+            def forward(self, x, cache):
+                y, cache = super().forward(x, cache)
+                return helper(y), cache
+    """)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        for factor, traces in ((2, 4), (2, 0), (3, 4)):
+            src.write_text(body.format(factor=factor))
+            sys.modules.pop("mystep", None)
+            import mystep
+            c = _stream(mystep.Helped(), cache_dir=tmp_path / "cache")
+            assert (c.counters.traces, c.counters.cache_loads) == (traces, 4 - traces), factor
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("mystep", None)
