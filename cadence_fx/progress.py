@@ -7,7 +7,7 @@ line per message. ::
 
     cadence_fx.progress.show()
     compiled.capture_catalog(x, state)
-    # class 3/6 ((24, 24, 4), 8): tracing ...
+    # class 3/6 ((24, 24, 4), 8): compiling ...
     # class 3/6 ((24, 24, 4), 8): traced 6.2 s, passes 0.4 s, probe 0.1 s
     # capture 3/6 ((24, 24, 4), 8): 0.3 s
 """

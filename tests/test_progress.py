@@ -44,7 +44,7 @@ def test_each_class_is_shown_with_its_place_and_times(toy):
     lines = out.getvalue().splitlines()
     n = compiled.catalog.size
     assert all(done.values()) and len(done) == n == 6
-    assert sum(": tracing ..." in ln for ln in lines) == n
+    assert sum(": compiling ..." in ln for ln in lines) == n
     traced = [ln for ln in lines if ": traced " in ln]
     assert len(traced) == n and all(" s (" in ln and "passes" in ln for ln in traced)
     assert [ln.split(":")[1].split()[1] for ln in lines if ln.endswith(" s") and "ready" in ln] == \
@@ -65,7 +65,7 @@ def test_on_a_terminal_a_running_step_is_one_line_rewritten(toy):
     with torch.no_grad():
         compiled(x, state)
     text = term.getvalue()
-    assert text.startswith("cadence-fx: class 1/6 ((24,), 8): tracing ...")
+    assert text.startswith("cadence-fx: class 1/6 ((24,), 8): compiling ...")
     assert "\r\x1b[Kcadence-fx: class 1/6 ((24,), 8): traced " in text and text.endswith("\n")
     progress.hide()
     with torch.no_grad():
