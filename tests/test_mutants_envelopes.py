@@ -9,6 +9,7 @@ Written against mutants of the envelope code that the stream tests let through
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -251,3 +252,13 @@ def test_lent_restores_for_one_call_and_releases_the_same_names():
         assert env.released == {} and a.untyped_storage().nbytes() == 16
     assert env.released == {"a": 16} and b.untyped_storage().nbytes() == 8
     assert env._counters.restored_bytes == 0
+
+
+def test_an_envelope_kept_for_its_shared_storage_is_logged_by_name(caplog):
+    base = torch.zeros(4, 8)
+    env = _envelopes({"view": base[1:], "base": base})
+    with caplog.at_level(logging.INFO, logger="cadence_fx.envelopes"):
+        env.release(["view"])
+    assert [r.getMessage() for r in caplog.records if r.name == "cadence_fx.envelopes"] == [
+        "stock envelope view shares its storage; it is kept"]
+    assert env.released == {}
