@@ -254,11 +254,13 @@ def test_lent_restores_for_one_call_and_releases_the_same_names():
     assert env._counters.restored_bytes == 0
 
 
-def test_an_envelope_kept_for_its_shared_storage_is_logged_by_name(caplog):
+def test_release_logs_each_envelope_by_name_kept_or_freed(caplog):
     base = torch.zeros(4, 8)
-    env = _envelopes({"view": base[1:], "base": base})
-    with caplog.at_level(logging.INFO, logger="cadence_fx.envelopes"):
-        env.release(["view"])
-    assert [r.getMessage() for r in caplog.records if r.name == "cadence_fx.envelopes"] == [
-        "stock envelope view shares its storage; it is kept"]
-    assert env.released == {}
+    env = _envelopes({"view": base[1:], "base": base, "whole": torch.ones(3, 5)})
+    with caplog.at_level(logging.DEBUG, logger="cadence_fx.envelopes"):
+        env.release(["view", "whole"])
+    assert [(r.levelname, r.getMessage()) for r in caplog.records
+            if r.name == "cadence_fx.envelopes"] == [
+        ("INFO", "stock envelope view shares its storage; it is kept"),
+        ("DEBUG", "released stock envelope whole (60 bytes)")]
+    assert env.released == {"whole": 60}
