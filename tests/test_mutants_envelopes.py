@@ -264,3 +264,15 @@ def test_release_logs_each_envelope_by_name_kept_or_freed(caplog):
         ("INFO", "stock envelope view shares its storage; it is kept"),
         ("DEBUG", "released stock envelope whole (60 bytes)")]
     assert env.released == {"whole": 60}
+
+
+def test_restoring_for_good_adds_every_envelopes_bytes():
+    a, b = torch.ones(4), torch.ones(2)
+    env = _envelopes({"a": a, "b": b})
+    env.release(["a", "b"])
+    env.restore(keep=True)
+    assert (env._counters.restored_bytes, env._counters.released_bytes) == (24, 0)
+    env.release(["a"])
+    env.restore(keep=True)                  # a second fallback adds to the count
+    assert env._counters.restored_bytes == 40
+    assert torch.equal(a, torch.zeros(4)) and torch.equal(b, torch.zeros(2))
