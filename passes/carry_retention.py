@@ -223,7 +223,9 @@ def _materialize(gm, b: RegionBinding, state: Node, dst: Node) -> str:
     if (state.op == "call_function" and state.target is aten.clone.default and len(state.users) == 1
             and not state.kwargs and storage_key(state.args[0]) not in b.storages):
         src = state.args[0]   # the state is a copy already: copy its source, once, as stock does
-    elif carry_offset(state, b, 0) is not None:  # reads C at an offset: through a temporary
+    elif carry_offset(state, b, 0) is not None or storage_key(state) in b.storages:
+        # it reads C (at an offset, transposed, ...): copied through a temporary, or the copy
+        # would overwrite what it has yet to read
         src = gm.graph.call_function(aten.clone.default, (state,))
     copy_(gm, dst, src)
     return "materialize"
