@@ -272,7 +272,10 @@ def _envelope_stream(read, spare=0.0, entry=False):
 def test_an_envelope_slice_of_a_slice_is_bounded_within_its_parent():
     """All but the oldest frame of the state (a slice of the slice [2, 6)) is frames [3, 6) of
     the carry's 6: the carry stands in for the envelope."""
-    assert _envelope_stream("tail") == (["envelope", "materialize"], [])
+    kinds, misses, steady = _envelope_stream("tail", entry=True)
+    assert (kinds, misses) == (["envelope", "materialize"], [])
+    envelope = steady.records["rewrites"][0]
+    assert (envelope["region"], envelope["detail"]) == ("k", "env (3, 2, 16) -> carry (1, 2, 6)")
 
 
 @pytest.mark.parametrize("read,spare,detail", [
