@@ -460,3 +460,13 @@ def test_a_result_viewing_an_envelope_of_the_carrys_shape_is_handed_out_as_a_cop
     assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (4, 0)
     (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
     assert [r["kind"] for r in steady.records["rewrites"]] == ["envelope", "materialize"]
+
+
+def test_a_graph_without_fake_values_is_refused_with_the_fix():
+    from cadence_fx.passes._carry_graph import fake_mode
+
+    gm = torch.fx.symbolic_trace(nn.ReLU())   # no fake values on its nodes
+    with pytest.raises(ValueError) as e:
+        fake_mode(gm)
+    assert str(e.value) == ("the traced graph carries no fake values; trace with "
+                            "tracing_mode='fake'")
