@@ -279,3 +279,26 @@ def test_the_carry_is_allocated_on_the_states_device():
     assert (carry.device.type, carry.shape, y.device.type, state.shape) == (
         "meta", (1, 2, 6), "meta", (1, 2, 4))
     assert (c.counters.compiled_calls, c.counters.fallbacks, c.counters.absorptions) == (1, 0, 1)
+
+
+class ScaledWindow(Window):
+    """The window with a weight (on the CPU); without a state it primes: the state is x."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x, cache):
+        if cache is None:
+            return x * self.scale, x.clone()
+        return super().forward(x * self.scale, cache)
+
+
+def test_a_priming_call_without_state_still_has_its_call_input_checked():
+    """No region state (the priming pass) is nothing to check; the call input after it still is."""
+    c = cadence_fx.compile(ScaledWindow(), _window())
+    with pytest.raises(cadence_fx.ContractError) as e:
+        c(torch.randn(1, 2, 2, device="meta"), None)
+    assert str(e.value) == ("call input 'x' is on meta, but the step's weights are on cpu; move it "
+                            "with .to('cpu')")
+    assert c.counters.traces == 0
