@@ -17,10 +17,11 @@ Models (``--model``):
   per call, a turn reset in the middle.
 * ``toy``: a prompt-retained attention toy with a partial flush and a longer last call.
 
-Each path runs the stream twice: the first pass warms up (the compiled path traces and captures
-its classes then), the second is timed per chunk -- CUDA events on a GPU, ``perf_counter`` on the
-CPU. On the CPU the compiled path is the rewritten graph on the guarded eager path; on CUDA it
-replays CUDA graphs.
+Each path runs the stream once to warm up (the compiled path traces and captures its classes
+then), then ``TIMED_PASSES`` times timed per chunk -- CUDA events on a GPU, ``perf_counter`` on
+the CPU; the result has each pass's p50 and the spread between them. On the CPU the compiled path
+is the rewritten graph on the guarded eager path (about stock speed); on CUDA it replays CUDA
+graphs. Every key of the result is described in docs/benchmarks.md ("The demo's JSON").
 """
 from __future__ import annotations
 
@@ -333,8 +334,8 @@ def run_demo(model: str = "token2wav", device: str = "cpu", chunks: Optional[int
         pin_deterministic_kernels()
     progress.note("demo %s on %s: building the model ...", model, dev.type, running=True)
     stream = _BUILDERS[model](dev, chunks)
-    progress.note("demo %s: stock stream, 2 passes of %d chunks ...", model, stream.chunks,
-                  running=True)
+    progress.note("demo %s: stock stream, %d passes of %d chunks ...", model, 1 + TIMED_PASSES,
+                  stream.chunks, running=True)
     stock_runs, stock_times, stock_peak = _passes(stream.stock, dev, 1 + TIMED_PASSES)
     stock_times = stock_times[1:]                            # the first pass warms up
     progress.note("demo %s: stock p50 %.1f ms per chunk", model,
