@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cadence_fx.demo import same_state  # mel/state equal; undeclared stock rows zero
+from cadence_fx.demo_streams import same_state  # mel/state equal; undeclared stock rows zero
 
 __all__ = ["BLOCKS", "ROW_KEYS", "Baseline", "CFMStream", "cleanup", "compile_breakdown",
            "counters_row", "measure", "p95", "profile", "ratio_ci"]

@@ -29,13 +29,14 @@ import time
 def child(model: str, device: str, chunks) -> dict:
     import torch
 
-    from cadence_fx.demo import _BUILDERS, _Clock
+    from cadence_fx.demo import _Clock
+    from cadence_fx.demo_streams import BUILDERS
 
     dev = torch.device(device)
     if model == "token2wav" and dev.type == "cuda":
         from cadence_fx.determinism import pin_deterministic_kernels
         pin_deterministic_kernels()
-    stream = _BUILDERS[model](dev, chunks or (16 if dev.type == "cuda" else 4))
+    stream = BUILDERS[model](dev, chunks or (16 if dev.type == "cuda" else 4))
     stream.stock(_Clock(dev))                          # library set-up: not a restart's cost
     if stream.prepare_compiled is not None:
         stream.prepare_compiled()

@@ -154,13 +154,13 @@ def _stream_report(model: str, chunks: Optional[int], verify: bool) -> str:
     """Run a short stream of a demo model through its compiled steps on the CPU, keeping each
     class's trace (for the code before the passes), and render the report of every step."""
     import torch
-    from cadence_fx import demo
+    from cadence_fx.demo_streams import BUILDERS
     from cadence_fx.report_html import page
     if chunks is None:
         chunks = 16 if model == "toy" else 4
     if chunks < 4:
         raise ValueError("a demo stream needs at least 4 chunks (two turns of two)")
-    stream = demo._BUILDERS[model](torch.device("cpu"), chunks)
+    stream = BUILDERS[model](torch.device("cpu"), chunks)
     if stream.prepare_compiled is not None:
         stream.prepare_compiled()
     for step in stream.steps.values():

@@ -16,6 +16,7 @@ except ImportError:  # pragma: no cover - every GraphModule generates its code w
     _use_lazy_graph_module = None
 
 __all__ = ["aten", "CATS", "VIEW_OPS", "is_mutating", "mutated_arg", "view_chain", "slice_bounds",
+           "attr_value",
            "val", "dead_code_elimination", "SIDE_EFFECTS", "storage_key", "returns_self",
            "mutated_attributes", "written_bases", "graph_module", "code_deferred",
            "generate_code"]
@@ -173,3 +174,11 @@ def written_bases(graph: Graph) -> List[Node]:
 def mutated_attributes(gm) -> List[torch.Tensor]:
     """Tensors a graph module holds as attributes (module state) that its graph writes in place."""
     return [getattr(gm, b.target) for b in written_bases(gm.graph) if b.op == "get_attr"]
+
+
+def attr_value(gm, target: str):
+    """What a ``get_attr`` node of ``gm`` reads (a dotted attribute path)."""
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -28,8 +28,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from cadence_fx.context import PassContext
-from cadence_fx.fx_utils import (SIDE_EFFECTS, dead_code_elimination, is_mutating, mutated_arg,
-                                 storage_key)
+from cadence_fx.fx_utils import (SIDE_EFFECTS, attr_value, dead_code_elimination, is_mutating,
+                                 mutated_arg, storage_key)
 
 __all__ = ["hoist_constants"]
 
@@ -51,7 +51,7 @@ def hoist_constants(gm: GraphModule, ctx: PassContext, max_bytes: int = MAX_BYTE
             mode_depth += 1
         elif n.op == "call_function" and n.target is torch.amp.autocast_mode._exit_autocast:
             mode_depth -= 1
-        elif n.op == "get_attr" and (_literal(n) or id(_fetch(gm, n.target)) in ctx.constant_ids):
+        elif n.op == "get_attr" and (_literal(n) or id(attr_value(gm, n.target)) in ctx.constant_ids):
             const.add(n)
         elif (n.op == "call_function" and mode_depth == 0 and _pure(n)
               and storage_key(n) not in unsafe and all(a in const for a in n.all_input_nodes)):
@@ -63,7 +63,7 @@ def hoist_constants(gm: GraphModule, ctx: PassContext, max_bytes: int = MAX_BYTE
     values: Dict[Node, object] = {}
     for n in gm.graph.nodes:  # evaluate, in graph order, only what the frontier needs
         if n in const and n.op == "get_attr":
-            values[n] = _fetch(gm, n.target)
+            values[n] = attr_value(gm, n.target)
         elif n in const:
             args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: values[a])
             values[n] = n.target(*args, **kwargs)
@@ -112,13 +112,6 @@ def _metadata_only(n: Node) -> bool:
     """In-place view ops (``detach_``, ``t_``) change a tensor's metadata, not its data; a
     pre-dispatch trace of ``torch.tensor([...])`` ends in one."""
     return torch.Tag.inplace_view in getattr(n.target, "tags", ())
-
-
-def _fetch(gm: GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _crosses_devices(node: Node) -> bool:

@@ -27,7 +27,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from cadence_fx.context import PassContext
-from cadence_fx.fx_utils import aten, val
+from cadence_fx.fx_utils import aten, attr_value, val
 
 __all__ = ["mask_writes", "mask_of"]
 
@@ -78,7 +78,7 @@ def mask_writes(gm: GraphModule, ctx: PassContext) -> PassResult:
             # ``x[mask] = 5`` on the device: the literal is a host tensor; a copy of it on the
             # device, made once (the select reads it there, so a replay needs no host value)
             name = f"_cadence_mask_value_{rewritten}_{n.name}"
-            gm.register_buffer(name, _fetch(gm, value.target).to(val(x).device), persistent=False)
+            gm.register_buffer(name, attr_value(gm, value.target).to(val(x).device), persistent=False)
             with gm.graph.inserting_before(n):
                 moved = gm.graph.get_attr(name)
             moved.meta["val"] = val(value).to(val(x).device)
@@ -101,10 +101,3 @@ def mask_writes(gm: GraphModule, ctx: PassContext) -> PassResult:
                  f"as a select (no nonzero, no host sync)")
         rewritten += 1
     return PassResult(gm, rewritten > 0)
-
-
-def _fetch(gm: GraphModule, target: str) -> torch.Tensor:
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

@@ -19,7 +19,7 @@ import cadence_fx
 from cadence_fx import adapters
 from cadence_fx.contract import APPEND, Adapter, Region, SlidingWindow
 from cadence_fx.counters import Counters
-from cadence_fx.demo import _clone   # a detached copy of a nested result
+from cadence_fx.demo_streams import _clone   # a detached copy of a nested result
 from stock_packages import MOSHI, TOKEN2WAV, require
 
 
