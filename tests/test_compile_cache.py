@@ -201,3 +201,45 @@ def test_an_edited_helper_beside_the_step_changes_the_key(tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("mystep", None)
+
+
+def test_a_restarted_conformer_server_loads_every_class_through_its_lifecycle(tmp_path):
+    """The streaming conformer (tests/streaming_conformer.py) as a server runs it: speakers primed
+    mid-stream, flushes, turn resets; then a restarted step on the same cache directory, which
+    loads every class (the priming class included), streams bit-exact against stock, and takes a
+    retry from a cloned older state under another grad mode."""
+    from streaming_conformer import (CONFORMER_ADAPTER, chunk_feats, clone_state, make_model,
+                                     prime, run_turns)
+    turns = [(0, [8, 12, 12, 8, 8, 12, 4]), (1, [12, 8, 8, 12]), (0, [8, 8, 12, 4])]
+    model = make_model()
+    want, want_rng = run_turns(model, turns, seed=3)
+
+    def served():
+        step = cadence_fx.compile(model, CONFORMER_ADAPTER, cache_dir=tmp_path)
+        got, rng = run_turns(step, turns, seed=3)
+        assert torch.equal(rng, want_rng) and len(got) == len(want)
+        assert all(torch.equal(a[0], b[0]) and all(torch.equal(a[1][k], b[1][k]) for k in b[1])
+                   for a, b in zip(got, want))
+        assert (step.counters.fallbacks, step.counters.compiled_calls) == (0, len(want))
+        return step
+
+    first = served()
+    n = len(first.classes)
+    assert (first.counters.traces, first.counters.cache_loads, n) == (n, 0, 6)
+    restarted = served()
+    assert (restarted.counters.traces, restarted.counters.cache_loads) == (0, n)
+    state = prime(restarted, 1)
+    before = clone_state(state)
+    (x,) = chunk_feats([8], seed=9)
+    torch.manual_seed(4)
+    with torch.inference_mode():
+        y, _ = restarted(x, state)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        retried, _ = restarted(x, before)               # a retry from the cloned older state
+        torch.manual_seed(4)
+        ref, _ = model(x, clone_state(before))
+    assert torch.equal(y, ref) and torch.equal(retried, ref)
+    # inference mode is part of the class: that one class is new, traced once and cached
+    assert (restarted.counters.traces, restarted.counters.fallbacks) == (1, 0)
+    assert len(_entries(tmp_path)) == n + 1
