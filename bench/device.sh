@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call:  bash bench/device.sh  (writes under $OUT)
 # Steps: all (tests, demo, bench) | tests | demo | moshi | chunk | bench | suite | cold | sessions |
-# reliability | mutation,
+# reliability | mutation | mutation-cpu,
 # or par "<steps for GPU 0>" "<steps for GPU 1>" ... (each under PAR_LIMIT seconds, default 540).
 # BENCH_ARGS passes arguments to the step's script; '+' separates them (BENCH_ARGS=--ns=1,2+--rounds=4).
 # Needs the model wheels in .whl/, carried along:
@@ -97,6 +97,18 @@ if [[ $STEP == mutation ]]; then
     --workers ${WORKERS:-8} ${fails:+--exclude $fails} > "$OUT/mutation-gpu.log" 2>&1; echo "mutation rc $?"
   PYTHONPATH=$PYTHONPATH:/tmp/site-mut python3 bench/mutation_gpu.py --results --diffs > "$OUT/mutation-gpu.txt" 2>&1
   cp .mutation-gpu/results.json "$OUT/mutation-gpu.json" 2>/dev/null; tail -5 "$OUT/mutation-gpu.log"; head -60 "$OUT/mutation-gpu.txt"
+fi
+if [[ $STEP == mutation-cpu ]]; then
+  # the CPU mutation run (bench/mutation.py) on this machine's cores, CUDA hidden so the tests take
+  # the CPU path they take in CI; carry .mutation (the staging tree with mutmut's test statistics)
+  # and name the mutants in MUTANTS_FILE; the verdicts come back as mutmut's .meta files
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-mut \
+    $(ls .whl/mutation/*.whl | grep -vE '/(pytest|pluggy|iniconfig|packaging|typing_extensions)-')
+  CUDA_VISIBLE_DEVICES= PYTHONPATH=$PYTHONPATH:/tmp/site-mut timeout ${MUTATION_LIMIT:-500} \
+    python3 bench/mutation.py --workers ${WORKERS:-14} --names-file "${MUTANTS_FILE:?}" \
+    > "$OUT/mutation-cpu.log" 2>&1; echo "mutation-cpu rc $?"
+  (cd .mutation/mutants && find . -name '*.meta' | tar czf "$OUT/mutation-cpu-meta.tgz" -T -)
+  grep -E "mutations/second|self-check|Failed" "$OUT/mutation-cpu.log"; tail -c 600 "$OUT/mutation-cpu.log"
 fi
 if [[ $STEP == reliability ]]; then
   # the long property runs with CUDA graphs: SCHEDULES random session schedules of the selected

@@ -3,6 +3,7 @@
     python bench/mutation.py                      # every core file (several hours on 2 cores)
     python bench/mutation.py --only passes/_carry_window.py cadence_fx/replay.py
     python bench/mutation.py --mutants 'cadence_fx.replay.*'   # re-run these mutants by name
+    python bench/mutation.py --names-file NAMES --workers 30   # the names in a file (the device's cores)
     python bench/mutation.py --results            # per-file counts and the survivors, no run
     python bench/mutation.py --show NAME          # the diff of one mutant
 
@@ -111,7 +112,10 @@ def stage() -> None:
 
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CADENCE_FX_SCHEDULES="10")
-    env.pop("PYTHONPATH", None)
+    # the staged tree must come first: drop the repository from the path, keep the rest (the
+    # device's site folder of carried wheels)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                        if p and Path(p).resolve() != REPO)
     return env
 
 
@@ -223,6 +227,8 @@ def main(argv=None) -> int:
                     help="mutate these core files (repository paths) only")
     ap.add_argument("--mutants", nargs="+", metavar="NAME",
                     help="run these mutants (names or globs)")
+    ap.add_argument("--names-file", metavar="FILE",
+                    help="run the mutants named in this file (one name or glob a line)")
     ap.add_argument("--results", action="store_true", help="print the results of earlier runs")
     ap.add_argument("--show", metavar="NAME", help="print the diff of one mutant")
     ap.add_argument("--diffs", action="store_true",
@@ -235,7 +241,8 @@ def main(argv=None) -> int:
     if not a.results:
         stage()
         self_check()
-        names = a.mutants or [CORE[p] for p in (a.only or CORE)]
+        listed = Path(a.names_file).read_text().split() if a.names_file else []
+        names = (a.mutants or []) + listed or [CORE[p] for p in (a.only or CORE)]
         rc = mutmut("run", "--max-children", str(a.workers), *names)
         if rc != 0:
             return rc

@@ -17,6 +17,11 @@ streaming speech code keeps its caches:
 ``forward(prompt_feats, None)`` runs a speaker's 16-frame prompt without caches and returns the
 state a turn starts from (K/V extent min(prompt, W) = 16, a zero-padded conv context).
 Steady chunks are 8 or 12 frames; a turn may end on a 4-frame flush.
+
+``StreamingConformer(stacked=True)`` keeps the same caches the way Freeze-Omni and WeNet-style
+encoders do: each layer still cuts its own window, and the per-layer windows are joined into one
+tensor per kind (``k``, ``v``: (layers, batch, heads, frames, head_dim); ``conv``: (layers,
+batch, d_model, 4)); ``STACKED_ADAPTER`` declares them.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from torch import nn
 
 from cadence_fx.contract import APPEND, Adapter, Effects, Region, SlidingWindow
 
-__all__ = ["StreamingConformer", "CONFORMER_ADAPTER", "CLOCKS", "LAYERS", "BINS", "PROMPT",
+__all__ = ["StreamingConformer", "CONFORMER_ADAPTER", "STACKED_ADAPTER", "CLOCKS", "LAYERS", "BINS", "PROMPT",
            "CHUNKS", "FLUSH", "make_model", "prompt_feats", "chunk_feats", "clone_state",
            "prime", "run_turns", "State"]
 
@@ -118,8 +123,10 @@ class ConformerLayer(nn.Module):
 
 class StreamingConformer(nn.Module):
     def __init__(self, layers: int = LAYERS, dim: int = D_MODEL, heads: int = HEADS, ffn: int = FFN,
-                 bins: int = BINS, kernel: int = KERNEL, window: int = WINDOW, seed: int = 0):
+                 bins: int = BINS, kernel: int = KERNEL, window: int = WINDOW, seed: int = 0,
+                 stacked: bool = False):
         super().__init__()
+        self.stacked = stacked
         self.embed = nn.Linear(bins, dim)
         self.layers = nn.ModuleList(ConformerLayer(dim, heads, ffn, kernel, window)
                                     for _ in range(layers))
@@ -139,9 +146,16 @@ class StreamingConformer(nn.Module):
         x = self.embed(x)
         new: State = {}
         for i, layer in enumerate(self.layers):
-            cached = (None, None, None) if state is None else (
-                state[f"k{i}"], state[f"v{i}"], state[f"conv{i}"])
+            if state is None:
+                cached = (None, None, None)
+            elif self.stacked:
+                cached = (state["k"][i], state["v"][i], state["conv"][i])
+            else:
+                cached = (state[f"k{i}"], state[f"v{i}"], state[f"conv{i}"])
             x, new[f"k{i}"], new[f"v{i}"], new[f"conv{i}"] = layer(x, *cached, offset)
+        if self.stacked:   # the per-layer windows joined into one tensor per kind
+            new = {kind: torch.stack([new.pop(f"{kind}{i}") for i in range(len(self.layers))])
+                   for kind in ("k", "v", "conv")}
         new["offset"] = offset + feats.shape[1]
         return x, new
 
@@ -150,24 +164,26 @@ class StreamingConformer(nn.Module):
 
 CLOCKS = {"prompt": PROMPT, "window": WINDOW, "chunk": CHUNKS[0], "chunk_long": CHUNKS[1],
           "conv_context": KERNEL - 1, "batch": 1, "heads": HEADS, "head_dim": D_MODEL // HEADS,
-          "d_model": D_MODEL}
+          "d_model": D_MODEL, "layers": LAYERS}
 
 
-def _kv(name: str) -> Region:
+def _kv(name: str, stacked: bool = False) -> Region:
     # The window enters the first cached call at the prompt's extent (16) and is capped at W = 24.
     # Steady chunks advance it by 8 or 12; a Region has one advance clock, so the smallest is
     # declared (16 + 8 and 16 + 12 both cap at 24 here, so the extents are the same).
-    return Region(name=name, input=f"state.{name}", output=f"1.{name}", dim=2,
+    layers = ("layers",) if stacked else ()
+    return Region(name=name, input=f"state.{name}", output=f"1.{name}", dim=2 + len(layers),
                   retention=SlidingWindow("window", start="prompt"), advance="chunk",
                   room="chunk_long",   # the most frames one call appends before the window drops
-                  ordering=APPEND, shape=("batch", "heads", None, "head_dim"))
+                  ordering=APPEND, shape=layers + ("batch", "heads", None, "head_dim"))
 
 
-def _conv(name: str) -> Region:
+def _conv(name: str, stacked: bool = False) -> Region:
     # Full-size left context from the priming pass on: one extent.
-    return Region(name=name, input=f"state.{name}", output=f"1.{name}", dim=2,
+    layers = ("layers",) if stacked else ()
+    return Region(name=name, input=f"state.{name}", output=f"1.{name}", dim=2 + len(layers),
                   retention=SlidingWindow("conv_context", start="conv_context"), advance="chunk",
-                  room="chunk_long", ordering=APPEND, shape=("batch", "d_model", None))
+                  room="chunk_long", ordering=APPEND, shape=layers + ("batch", "d_model", None))
 
 
 CONFORMER_ADAPTER = Adapter(
@@ -181,11 +197,20 @@ CONFORMER_ADAPTER = Adapter(
     description="chunked streaming conformer: RoPE attention over a W-frame window, causal conv",
 )
 
+STACKED_ADAPTER = Adapter(
+    name="streaming-conformer-stacked",
+    clocks=CLOCKS,
+    regions=(_kv("k", stacked=True), _kv("v", stacked=True), _conv("conv", stacked=True)),
+    call_frames=("chunk", "chunk_long"), call_input="feats", call_dim=1,
+    admission="chunk", effects=Effects(device_rng=True),
+    description="the streaming conformer with its per-layer caches stacked into one tensor each",
+)
+
 
 # -- streams --------------------------------------------------------------------------------
 
-def make_model(seed: int = 0) -> StreamingConformer:
-    return StreamingConformer(seed=seed).eval()
+def make_model(seed: int = 0, stacked: bool = False) -> StreamingConformer:
+    return StreamingConformer(seed=seed, stacked=stacked).eval()
 
 
 def prompt_feats(speaker: int) -> torch.Tensor:

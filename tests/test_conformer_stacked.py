@@ -1,0 +1,180 @@
+"""The streaming conformer with its per-layer caches stacked into one tensor per kind (as
+Freeze-Omni and WeNet-style encoders keep them; ``StreamingConformer(stacked=True)``), served the
+way a server serves it: each speaker primed inline through the session pool (the cache-free
+prompt pass is the step's priming class), sessions arriving while others stream, retiring, a
+chunk retried from a cloned state and a turn re-primed. Every output and returned state tensor is
+compared with ``torch.equal`` against the stock module, each session against itself run alone;
+the compiled path is asserted (every call compiled, the rewrite kinds, no concatenation left)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import cadence_fx
+from cadence_fx.fx_utils import aten, is_mutating, mutated_arg, view_chain
+
+from streaming_conformer import (FLUSH, LAYERS, STACKED_ADAPTER, chunk_feats, clone_state,
+                                 make_model, prompt_feats, run_turns)
+
+REGIONS = [r.name for r in STACKED_ADAPTER.regions]
+TURNS = [(0, [8, 12, 12, 8, FLUSH]), (1, [12, 8, 8, 12])]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(stacked=True)
+
+
+@pytest.fixture(scope="module")
+def stock():
+    return make_model(stacked=True)
+
+
+@pytest.fixture(scope="module")
+def traces():
+    return {}
+
+
+def _compile(model, traces, **kwargs):
+    return cadence_fx.compile(model, STACKED_ADAPTER, trace_cache=traces, **kwargs)
+
+
+JOINS = (aten.cat.default, aten.stack.default)
+
+
+def test_stacked_caches_stream_bit_exact_in_place(model, stock, traces):
+    want, want_rng = run_turns(stock, TURNS, seed=21)
+    c = _compile(model, traces, verify=True)
+    got, got_rng = run_turns(c, TURNS, seed=21)
+    assert len(got) == len(want)
+    for i, ((out, state), (ref_out, ref_state)) in enumerate(zip(got, want)):
+        assert torch.equal(out, ref_out), f"call {i}: output differs from stock"
+        assert state.keys() == ref_state.keys() == {"k", "v", "conv", "offset"}
+        for k in ref_state:
+            assert torch.equal(state[k], ref_state[k]), f"call {i}: state {k!r} differs"
+    assert torch.equal(got_rng, want_rng)
+    calls = sum(len(w) + 1 for _, w in TURNS)
+    k = c.counters
+    assert (k.calls, k.compiled_calls, k.fallbacks, dict(k.reasons)) == (calls, calls, 0, {})
+    assert k.carry_addresses == 1 and set(k.addresses) == set(REGIONS)
+    assert k.retentions > 0 and k.applications == sum(c.auditor.comparisons.values()) > 0
+    # every class that takes region state in writes each stacked region in place
+    report = {(tuple(cls["extents"]), cls["width"]): cls for cls in c.report().as_dict()["classes"]}
+    streamed = [key for key, cls in report.items() if None not in cls["extents"]]
+    assert len(streamed) == 5, sorted(report)   # 8/12 at the prompt's extent, 8/12/flush at W
+    for key in streamed:
+        kinds = {w["region"]: w["kind"] for w in report[key]["rewrites"] if w["region"] in REGIONS}
+        assert set(kinds) == set(REGIONS) and set(kinds.values()) <= {"retention", "append"}, kinds
+    for key, entry in c.classes.items():
+        if None not in key[0][0]:
+            assert _joins_feeding_carries(entry) == [], key
+
+
+def _joins_feeding_carries(entry):
+    """Every in-place write into a carry whose source is (a view of) a cat or stack: the stock
+    join still runs to form the new state."""
+    gm = entry.records.get("graph", entry.gm)
+    carries = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("carry_")}
+    found = []
+    for n in gm.graph.nodes:
+        dst = mutated_arg(n) if is_mutating(n) else None
+        if dst is None or view_chain(dst)[0] not in carries:
+            continue
+        for src in n.all_input_nodes:
+            base = view_chain(src)[0]
+            if src is not dst and base.op == "call_function" and base.target in JOINS:
+                found.append((view_chain(dst)[0].name, base.name))
+    return found
+
+
+# Per session: (speaker, generator seed, feature seed, script). "prime" runs the speaker's prompt
+# through the pool (the session's state is None before it), an int is a chunk of the session's
+# features, "save" clones the state, "retry" goes back to it, "close" retires the session.
+SESSIONS = [
+    (0, 200, 1, ["prime", 0, 1, "save", 2, 3, "retry", 2, 3, "prime", 4, 5, 6]),
+    (1, 201, 2, ["prime", 0, 1, 2, "close"]),
+    (2, 202, 3, ["prime", 0, 1, 2, 3, 4]),
+    (3, 203, 4, ["prime", 0, 1, "prime", 2, 3, "close"]),
+]
+WIDTHS = [8, 12, 8, 12, 8, 12, FLUSH]
+ARRIVALS = [0, 0, 4, 8]
+
+
+def _run_alone(step, speaker, rng_seed, feats, script):
+    torch.manual_seed(rng_seed)
+    outs, state, saved = [], None, None
+    for op in script:
+        if op == "save":
+            saved = clone_state(state)
+        elif op == "retry":
+            state = saved
+        elif op in ("prime", *range(len(feats))):
+            x = prompt_feats(speaker) if op == "prime" else feats[op]
+            with torch.no_grad():
+                out, state = step(x, None if op == "prime" else state)
+            outs.append(out.clone())
+    return outs
+
+
+def _schedule(seed):
+    rng, pos, order = random.Random(seed), [0] * len(SESSIONS), []
+    while any(p < len(s[3]) for p, s in zip(pos, SESSIONS)):
+        ready = [i for i, (p, s) in enumerate(zip(pos, SESSIONS))
+                 if p < len(s[3]) and ARRIVALS[i] <= len(order)]
+        i = rng.choice(ready) if ready else min(i for i, (p, s) in enumerate(zip(pos, SESSIONS))
+                                                if p < len(s[3]))
+        order.append((i, SESSIONS[i][3][pos[i]]))
+        pos[i] += 1
+    return order
+
+
+@pytest.mark.parametrize("order", [5, 6])
+def test_pool_primes_each_speaker_inline_while_others_stream(model, stock, traces, order):
+    feats = [chunk_feats(WIDTHS, seed) for *_, seed, _ in SESSIONS]
+    alone = [_run_alone(stock, spk, rng, feats[i], script)
+             for i, (spk, rng, _, script) in enumerate(SESSIONS)]
+    pool = cadence_fx.SessionPool(_compile(model, traces))
+    outside = torch.get_rng_state()
+    ids, saved, outs = {}, {}, [[] for _ in SESSIONS]
+    primed_while_streaming = retired_while_streaming = 0
+    for i, op in _schedule(seed=order):
+        spk, rng_seed = SESSIONS[i][:2]
+        if i not in ids:
+            ids[i] = pool.open(None, seed=rng_seed)
+        sid = ids[i]
+        if op == "save":
+            saved[i] = clone_state(pool.state(sid))
+        elif op == "retry":
+            pool.reset(sid, saved[i])
+        elif op == "close":
+            pool.close(sid)
+            retired_while_streaming += bool(pool.sessions)
+        else:
+            if op == "prime":
+                primed_while_streaming += len(pool.sessions) > 1
+                pool.reset(sid, None)
+            with torch.no_grad():
+                out, _ = pool.step(sid, prompt_feats(spk) if op == "prime" else feats[i][op])
+            outs[i].append(out.clone())
+    for i in range(len(SESSIONS)):
+        assert len(outs[i]) == len(alone[i]) > 0
+        for j, (a, b) in enumerate(zip(outs[i], alone[i])):
+            assert torch.equal(a, b), f"session {i} call {j} differs from the session run alone"
+    assert primed_while_streaming >= 2 and retired_while_streaming == 2
+    assert torch.equal(torch.get_rng_state(), outside)
+    k = pool.compiled.counters
+    calls = sum(op == "prime" or isinstance(op, int) for *_, script in SESSIONS for op in script)
+    assert (k.calls, k.compiled_calls, k.fallbacks, dict(k.reasons)) == (calls, calls, 0, {})
+    assert pool.swaps > 0 and k.carry_addresses == 1
+    primed = [key for key in pool.compiled.classes if None in key[0][0]]
+    assert len(primed) == 1   # the prompt pass: one class, compiled like the others
