@@ -7,8 +7,9 @@ bf16, sampling with top-k), Mimi decode of the generated audio tokens. Each stre
 boundary in the middle (``reset_streaming`` for the stock paths, a fresh state for cadence_fx)
 and starts from its own seed, so the three paths draw the same random numbers.
 
-Configurations, all in one process and one run, in the order E, cadence_fx, V (cadence_fx's carries
-and graphs are freed before V runs; each row records what was allocated when its peak was reset):
+Configurations, all in one process and one run, in the order E, cadence_fx, V (the compiled step
+is closed -- its modules leave streaming -- and its carries and graphs are freed before V runs;
+each row records what was allocated when its peak was reset):
 
 * ``E``: stock eager (the vendor's ``CUDAGraphed`` and lazy ``torch.compile`` switched off by its
   own switches) -- the bit-exact reference.
@@ -259,6 +260,7 @@ def main():
     result["cadence"] = c
     # free what cadence_fx holds (carries, graphs, their pool) before the vendor path runs, so
     # neither row's peak counts the other's memory (each row has allocated_at_start_bytes)
+    step.close()   # the modules leave streaming: the vendor path enters it again
     del compiled, step, ours
     _held.clear()
     gc.collect()

@@ -110,6 +110,27 @@ def test_moshi_frame_bit_exact_with_sampling_and_a_turn_reset():
     assert [w["kind"] for w in steady[0].records["rewrites"]].count("mask_write") == 1
 
 
+def test_closing_the_step_lets_the_stock_modules_stream_again():
+    """A server that moves a model from the compiled step back to the vendor's own loop (or a
+    benchmark that runs both in one process) closes the step: the modules leave streaming as
+    the stock context does on exit, and the stock loop then runs on them exactly as on modules
+    never compiled."""
+    mimi = M.build_mimi(seed=0)
+    frames = _frames(4)
+    want = M.stock_stream(mimi, None, frames, reset_at=2)
+    step = M.MimiStep(mimi)
+    compiled = cadence_fx.compile(step, "moshi-mimi")
+    ours, _ = _run(compiled, step.initial_state, frames, reset_at=2)
+    assert compiled.counters.compiled_calls == 4
+    with pytest.raises(AssertionError, match="already streaming"):
+        M.stock_stream(mimi, None, frames, reset_at=2)   # the step still streams the modules
+    step.close()
+    assert mimi._streaming_state is None
+    again = M.stock_stream(mimi, None, frames, reset_at=2)
+    assert [_same(s[0], o[0]) and _same(s[1], o[1]) for s, o in zip(want, again)] == [True] * 4
+    assert [_same(s[0], o[0]) and _same(s[1], o[1]) for s, o in zip(want, ours)] == [True] * 4
+
+
 def test_initial_state_matches_the_declared_regions():
     mimi = M.build_mimi(seed=0)
     step = M.MimiStep(mimi)

@@ -192,14 +192,21 @@ class _ExplicitState(nn.Module):
                batch: int) -> None:
         """Enter streaming on ``enter`` once; remember the fresh state as the initial one."""
         self._stacks, self._renames = stacks, renames
-        for module in enter:
-            module.streaming_forever(batch)
+        # the stock context of each module: closing it leaves streaming as the stock loop does
+        self._streaming = [module.streaming(batch) for module in enter]
         fresh = self._read_fresh()
         self._keep_initial(fresh)
         # the modules' own streaming caches are let go (bound to the stacked copy instead), and
         # that copy is the first initial_state(): the state exists once, as in the stock loop
         self._bind(fresh)
         self._first: Optional[Dict[str, torch.Tensor]] = fresh
+
+    def close(self) -> None:
+        """Leave streaming on the modules this step entered, as the stock ``streaming()``
+        context does on exit: the modules hold nothing of the step's state afterwards and can
+        stream again on their own (the step itself cannot run after this)."""
+        while self._streaming:
+            self._streaming.pop().close()
 
     def _roots(self) -> Dict[str, nn.Module]:
         """Path prefix -> module whose streaming state the step binds."""
