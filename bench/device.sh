@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call:  bash bench/device.sh  (writes under $OUT)
 # Steps: all (tests, demo, bench) | tests | demo | moshi | chunk | bench | suite | cold | sessions |
-# reliability | mutation | mutation-cpu,
+# reliability | mutation | mutation-cpu | timeline,
 # or par "<steps for GPU 0>" "<steps for GPU 1>" ... (each under PAR_LIMIT seconds, default 540).
 # BENCH_ARGS passes arguments to the step's script; '+' separates them (BENCH_ARGS=--ns=1,2+--rounds=4).
 # Needs the model wheels in .whl/, carried along:
@@ -57,6 +57,11 @@ if [[ $STEP == chunk ]]; then
 fi
 if [[ $STEP == all || $STEP == bench ]]; then
   python3 bench/replay.py --out "$OUT/bench-replay.json" ${BENCH_ARGS//+/ } 2>&1 | tail -80
+fi
+if [[ $STEP == timeline ]]; then
+  # per-kernel timeline of one steady replayed chunk, CFM step (suite SRc) and flow step, vs stock
+  python3 bench/replay_timeline.py --out "$OUT/timeline" ${BENCH_ARGS//+/ } > "$OUT/timeline.log" 2>&1
+  echo "timeline rc $?"; tail -6 "$OUT/timeline.log"
 fi
 if [[ $STEP == suite ]]; then
   # the whole suite (E, S, SRc, R, Rc, V, B on the CFM loop; whole chunk; Moshi); T/TM via CONFIGS
