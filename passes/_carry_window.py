@@ -37,7 +37,13 @@ from cadence_fx.fx_utils import (CATS, aten, is_mutating, mutated_arg, slice_bou
 from ._carry_graph import carry_offset, copy_, propagate_meta
 
 __all__ = ["Window", "find_window", "window_of", "rewrite_window", "move", "frame_range",
-           "split_sizes", "SPLITS"]
+           "split_sizes", "SPLITS", "LAYOUT_READS"]
+
+# Ops whose result depends on their input's strides and storage offset, not only its values: on
+# a carry view (the carry's strides) they would read other elements than on the concatenation.
+LAYOUT_READS = {getattr(aten, name).default
+                for name in ("as_strided", "as_strided_", "as_strided_scatter", "_reshape_alias")
+                if hasattr(aten, name)}
 
 PIECES_BEFORE_TEMPORARY = 2   # a longer overlapping move goes through one temporary (two copies)
 _THROUGH = {aten.clone.default, aten.detach.default, aten.alias.default}
@@ -105,6 +111,10 @@ def rewrite_window(gm: GraphModule, b: RegionBinding, w: Window, keep_stock: boo
         written = storage_key(mutated_arg(n)) if is_mutating(n) else None
         if written is not None and cat_storage is not None and written == cat_storage:
             return f"{n.name} writes the concatenation in place"
+        if (n.op == "call_function" and n.target in LAYOUT_READS and cat_storage is not None
+                and storage_key(n.args[0]) == cat_storage):
+            return (f"{n.name} reads the concatenation through {n.target.overloadpacket.__name__} at its own "
+                    "strides, which a view of the carry does not have")
     window_node = _window_node(w, d) if w.order == APPEND else None
     move_first = (window_node is not None and w.stop == l + c and w.start <= l)
     if w.order == PREPEND or move_first:

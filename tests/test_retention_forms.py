@@ -135,6 +135,32 @@ def test_a_window_without_room_is_copied_with_the_reason():
     assert compiled.counters.fallbacks == 0
 
 
+class StridedReader(nn.Module):
+    """Reads its concatenation through ``as_strided`` at the concatenation's own strides (as
+    unfold-style audio framing does): on a view of the carry, which has the carry's strides, the
+    same call would read other elements."""
+
+    def forward(self, x, cache):
+        full = torch.cat([cache["k"], x], 2)
+        framed = full.as_strided(full.shape, full.stride(), full.storage_offset())
+        return framed * 2, {"k": full[:, :, -W:]}
+
+
+def test_a_window_read_through_as_strided_is_copied_with_the_reason():
+    model = StridedReader()
+    compiled = cadence_fx.compile(model, _adapter(APPEND))
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(1, 2, 2, 4, generator=g) for _ in range(8)]
+    ours, stock = _stream(compiled, xs, "cpu"), _stream(model, xs, "cpu")
+    assert [torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(ours, stock)] == [True] * 8
+    k = compiled.counters
+    assert (k.compiled_calls, k.fallbacks) == (8, 0)
+    for key, entry in compiled.classes.items():
+        (write,) = [w for w in entry.records["rewrites"] if w["region"] == "k"]
+        assert write["kind"] == "materialize", key
+        assert "through as_strided at its own strides" in write["detail"], write
+
+
 def test_the_carry_has_one_call_of_room_and_analyze_prices_it():
     catalog = cadence_fx.build_catalog(_adapter(APPEND))
     r = catalog.region("k")
