@@ -302,3 +302,74 @@ def test_a_priming_call_without_state_still_has_its_call_input_checked():
     assert str(e.value) == ("call input 'x' is on meta, but the step's weights are on cpu; move it "
                             "with .to('cpu')")
     assert c.counters.traces == 0
+
+
+# -- paths with more than one dot, a call input off the arguments, and a too-wide catalog ----------
+
+def test_a_call_input_deeper_than_one_key_fits_by_its_first_name():
+    """``call_input`` ``batch.feats.x`` names the argument ``batch``: it fits (only the first name
+    of a path is an argument)."""
+    def step(batch, cache):
+        pass
+
+    adapter = Adapter(name="deep", clocks={"w": 4, "c": 2},
+                      regions=(_region("a", "cache.inner.a"),), call_frames=("c",),
+                      call_input="batch.feats.x", call_dim=2)
+    assert check_paths(adapter, _sig(step)) is None
+
+
+def test_regions_deeper_than_one_key_that_fit_are_named_in_the_select():
+    """Two regions under ``cache.inner`` fit a step taking ``cache``; the one in ``state`` does
+    not: the select names both that fit, comma-separated."""
+    def step(x, cache):
+        pass
+
+    with pytest.raises(cadence_fx.ContractError) as e:
+        check_paths(_adapter("cache.inner.a", "cache.inner.b", "state.c"), _sig(step))
+    assert str(e.value) == (
+        "adapter 'two' does not fit this step: region 'c' reads 'state.c', but the step's "
+        "arguments are ['x', 'cache']. Use adapter.select('a', 'b').")
+
+
+def test_every_region_fitting_but_the_call_input_suggests_no_select():
+    """Every region fits and only the call input does not: a select would drop nothing, so none
+    is suggested."""
+    def step(cache):
+        pass
+
+    with pytest.raises(cadence_fx.ContractError) as e:
+        check_paths(_adapter("cache.a", "cache.b"), _sig(step))
+    assert str(e.value) == (
+        "adapter 'two' does not fit this step: call input reads 'x', but the step's arguments are "
+        "['cache']. Fix the paths (`input`, `call_input`) to name the step's arguments.")
+
+
+WIDE = ("region 'a' has K = 3 signature classes, over the width limit 1 (Criterion 3.5); "
+        "region 'b' has K = 3 signature classes, over the width limit 1 (Criterion 3.5): "
+        "the step runs stock")
+
+
+def _wide():
+    import dataclasses
+    return dataclasses.replace(_adapter("cache.inner.a", "cache.inner.b"), width_limit=1)
+
+
+def test_a_catalog_over_the_width_limit_runs_stock_with_the_reason_logged(caplog):
+    """Both regions have 3 extents (0, 2, 4) over a width limit of 1: the compile logs why, once,
+    word for word, and every call runs stock with that reason."""
+    import logging
+    with caplog.at_level(logging.WARNING, logger="cadence_fx.admission"):
+        c = cadence_fx.compile(Nested(), _wide())
+    assert [r.getMessage() for r in caplog.records if r.name == "cadence_fx.admission"] == [WIDE]
+    x, a = torch.randn(1, 2, 2), torch.randn(1, 2, 4)
+    with torch.no_grad():
+        y, out, _ = c(x, {"inner": {"a": a, "b": a}})
+    assert torch.equal(y, x * 2) and torch.equal(out["b"], torch.cat([a, x], 2)[:, :, -4:])
+    assert dict(c.counters.reasons) == {WIDE: 1}
+    assert (c.counters.compiled_calls, c.counters.fallbacks) == (0, 1)
+
+
+def test_a_catalog_over_the_width_limit_is_refused_in_strict_mode():
+    with pytest.raises(cadence_fx.GuardError) as e:
+        cadence_fx.compile(Nested(), _wide(), strict=True)
+    assert str(e.value) == f"strict mode: {WIDE}"

@@ -2,15 +2,26 @@
 records, the copies left in the graph, ``torch.equal`` against stock).
 
 Written against mutants of the carry pass that the stream tests let through
-(``bench/mutation.py``, ``bench/results/2026-11-30-mutation.md``)."""
+(``bench/mutation.py``, ``bench/results/2026-11-30-mutation.md``; run J's survivors:
+``.mutation/ledger/run-J-carry-dispositions.md``)."""
 from __future__ import annotations
+
+import dataclasses
+import importlib
 
 import pytest
 import torch
 from torch import nn
 
 import cadence_fx
-from cadence_fx.contract import APPEND, Adapter, Region, SlidingWindow
+from cadence_fx.audit import Auditor
+from cadence_fx.catalog import build_catalog
+from cadence_fx.context import Carry, PassContext, RegionBinding
+from cadence_fx.contract import APPEND, Adapter, PromptRetained, Region, Ring, SlidingWindow
+from cadence_fx.counters import Counters
+from cadence_fx.tracing import trace_step
+
+carry_pass = importlib.import_module("cadence_fx.passes.carry_retention")  # the module, not the function
 
 COPY, CLONE, CAT = (torch.ops.aten.copy_.default, torch.ops.aten.clone.default,
                     torch.ops.aten.cat.default)
@@ -470,3 +481,446 @@ def test_a_graph_without_fake_values_is_refused_with_the_fix():
         fake_mode(gm)
     assert str(e.value) == ("the traced graph carries no fake values; trace with "
                             "tracing_mode='fake'")
+
+
+# -- the carry pass alone, record by record (passes/carry_retention.py) ------------------------------
+# Each note the pass leaves is asserted whole: kind, region and text, as the report shows them.
+
+def _region_adapter(retention, output="1", **clocks):
+    """One region ``k`` of 2 channels, frame dim 2, advancing ``c`` = 2 frames a call."""
+    return Adapter(name="direct", clocks={"c": 2, **clocks},
+                   regions=(Region(name="k", input="cache", output=output, dim=2,
+                                   retention=retention, advance="c", ordering=APPEND,
+                                   shape=(1, 2, None)),),
+                   call_frames=("c",), call_input="x", call_dim=2)
+
+
+def _bound(module, adapter, extent=None, **named):
+    """``module`` traced at ``named`` and its one region bound as the runtime binds it (a carry of
+    the declared extent, or ``extent`` frames): the graph and the pass context, the pass not run."""
+    traced = trace_step(module, module.forward, named)
+    gm, inputs = traced.gm, list(traced.inputs)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out_pos = {p: k for k, p in enumerate(traced.out_paths[i] for i in traced.out_tensor_index)}
+    (r,) = adapter.regions
+    ph = next(n for n, s in zip(placeholders, inputs) if s.kind == "arg" and s.name == r.input)
+    shape = [adapter.dim_size(d, r) for d in r.shape]
+    shape[r.dim] = extent or build_catalog(adapter).region(r.name).declared_extent
+    b = RegionBinding(r, ph, out_pos.get(r.output), Carry(r, torch.zeros(shape)))
+    return gm, PassContext(adapter=adapter, class_key="test", inputs=inputs, regions=[b],
+                           module_buffers=dict(module.named_buffers()), counters=Counters(),
+                           auditor=Auditor())
+
+
+def _carry_retention(gm, ctx):
+    result = carry_pass.carry_retention(gm, ctx)
+    result.graph_module.graph.lint()
+    return result.graph_module
+
+
+def _output(gm):
+    return next(n for n in gm.graph.nodes if n.op == "output")
+
+
+def _named(cache_frames, x_frames=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(1, 2, x_frames, generator=g),
+            "cache": torch.randn(1, 2, cache_frames, generator=g)}
+
+
+class Keeps(nn.Module):
+    """``window``: the last 4 frames of ``cat([cache, x])``; ``all``: every frame of it."""
+
+    def __init__(self, form="window"):
+        super().__init__()
+        self.form = form
+
+    def forward(self, x, cache):
+        full = torch.cat([cache, x], 2)
+        return x + 1, full[:, :, -4:] if self.form == "window" else full
+
+
+def test_a_new_state_without_a_fake_value_is_a_near_miss_and_left_as_it_is():
+    """The new state lost its recorded value: the region is noted as a near miss, with the
+    reason, and its state is handed out as computed (no carry write, no rewrite record)."""
+    gm, ctx = _bound(Keeps(), _region_adapter(SlidingWindow("W"), W=4), **_named(4))
+    state = _output(gm).args[0][1]
+    del state.meta["val"]
+    gm = _carry_retention(gm, ctx)
+    assert ctx.records["near_misses"] == [
+        {"kind": "near_miss", "region": "k", "detail": "the new state has no recorded shape"}]
+    assert ctx.records["rewrites"] == []
+    assert _output(gm).args[0][1] is state and not [n for n in gm.graph.nodes if n.target is COPY]
+
+
+def test_a_new_state_beyond_the_declared_extent_is_a_near_miss_naming_both():
+    """Six frames kept where the carry holds four: a near miss naming the frames and the extent,
+    the state handed out as computed."""
+    gm, ctx = _bound(Keeps("all"), _region_adapter(SlidingWindow("W"), W=4), extent=4,
+                     **_named(4))
+    state = _output(gm).args[0][1]
+    gm = _carry_retention(gm, ctx)
+    assert ctx.records["near_misses"] == [
+        {"kind": "near_miss", "region": "k", "detail": "new state holds 6 frames, beyond the "
+                                                       "declared extent 4; check the retention clocks"}]
+    assert ctx.records["rewrites"] == []
+    assert _output(gm).args[0][1] is state and not [n for n in gm.graph.nodes if n.target is COPY]
+
+
+class RingOfFour(nn.Module):
+    """A ring written in place at ``(offset + t) % 4``: the new state is the region input."""
+
+    def forward(self, x, cache, offset):
+        idx = (torch.arange(x.shape[2]) + offset) % cache.shape[2]
+        cache.index_copy_(2, idx, x)
+        return cache.mean(2), cache, offset + x.shape[2]
+
+
+def test_a_state_already_in_the_carry_is_recorded_in_place():
+    """The ring's new state is ``C[:4]`` itself: recorded ``in_place`` for its region, with the
+    frames, and nothing copied."""
+    named = {"x": torch.randn(1, 2, 1), "cache": torch.randn(1, 2, 4), "offset": torch.tensor([3])}
+    gm, ctx = _bound(RingOfFour(), _region_adapter(Ring("cap"), cap=4, c=1), **named)
+    gm = _carry_retention(gm, ctx)
+    assert ctx.records["rewrites"] == [
+        {"kind": "in_place", "region": "k", "detail": "state is already C[:4]"}]
+    assert ctx.records["near_misses"] == [] and not [n for n in gm.graph.nodes if n.target is COPY]
+
+
+class HalvesItsCacheLate(nn.Module):
+    """The new state is formed, then the old state (the carry) is halved in place."""
+
+    def forward(self, x, cache):
+        new = torch.cat([cache, x], 2)[:, :, -4:]
+        cache.mul_(0.5)
+        return x * 2, new
+
+
+def test_a_carry_write_after_the_new_state_is_a_near_miss_of_its_region():
+    """The near miss names its region and the node writing the carry late; the state is handed
+    out as computed."""
+    gm, ctx = _bound(HalvesItsCacheLate(), _region_adapter(SlidingWindow("W"), W=4), **_named(4))
+    state = _output(gm).args[0][1]
+    gm = _carry_retention(gm, ctx)
+    assert ctx.records["near_misses"] == [
+        {"kind": "near_miss", "region": "k",
+         "detail": "mul_ writes the carry after the new state is formed"}]
+    assert ctx.records["rewrites"] == [] and _output(gm).args[0][1] is state
+
+
+class KeepsPromptAndHistory(nn.Module):
+    """Prompt + history, ``cat([X[:2], X[-4:]])`` of ``X = cat([cache, x])`` (``retain``); its
+    look-alikes: ``wrong-part`` keeps frames [2, 6) (not the last 4), ``two-sources`` takes the
+    history from ``X * 0.5``, ``halved`` joins ``X[:2]`` with all of ``X * 0.5`` (no slice)."""
+
+    def __init__(self, form="retain"):
+        super().__init__()
+        self.form = form
+
+    def forward(self, x, cache):
+        xc = torch.cat([cache, x], 2)
+        if self.form == "wrong-part":
+            return x * 2, torch.cat([xc[:, :, :2], xc[:, :, 2:6]], 2)
+        if self.form == "two-sources":
+            return x * 2, torch.cat([xc[:, :, :2], (xc * 0.5)[:, :, -4:]], 2)
+        if self.form == "halved":
+            return x * 2, torch.cat([xc[:, :, :2], xc * 0.5], 2)
+        return x * 2, torch.cat([xc[:, :, :2], xc[:, :, -4:]], 2)
+
+
+RETAIN = _region_adapter(PromptRetained("p", "r"), p=2, r=4)
+
+
+def _run(gm, ctx, named):
+    """The rewritten graph run as the runtime runs it: the region input copied into its carry."""
+    carry = ctx.regions[0].carry
+    carry.view(named["cache"].shape[carry.dim]).copy_(named["cache"])
+    flat = [carry.tensor if s.kind == "carry" else named[s.name] for s in ctx.inputs]
+    with torch.no_grad():
+        return list(gm(*flat))
+
+
+@pytest.mark.parametrize("cache", [4, 6], ids=["adjacent-parts", "frames-dropped"])
+def test_retention_writes_both_parts_through_the_carrys_leading_views(cache):
+    """``C[:2] = X[:2]; C[2:6] = X[L-4:L]``, each destination a slice of ``C[:6]`` from 0 (as the
+    report's graph shows them); the region input reads ``C[:, :, 0:cache]``. With 4 frames held
+    the two parts are adjacent (``X[:2]``, ``X[2:6]``): still retention."""
+    named = _named(cache)
+    gm, ctx = _bound(KeepsPromptAndHistory(), RETAIN, **named)
+    gm = _carry_retention(gm, ctx)
+    assert ctx.records["rewrites"] == [
+        {"kind": "retention", "region": "k", "detail": "new state (6 frames) written into C[:6]"}]
+    carry = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "carry_k")
+    assert carry.next.args == (carry, 2, 0, cache)   # the region input, read from the carry
+    dst = _output(gm).args[0][1]
+    assert dst.args == (carry, 2, 0, 6)
+    copies = [n for n in gm.graph.nodes if n.target is COPY]
+    assert [c.args[0].args for c in copies] == [(dst, 2, 0, 2), (dst, 2, 2, 6)]
+    with torch.no_grad():
+        stock = KeepsPromptAndHistory()(named["x"], named["cache"].clone())
+    got = _run(gm, ctx, named)
+    assert all(torch.equal(a, b) for a, b in zip(got, stock))
+
+
+@pytest.mark.parametrize("form,cache,why", [
+    ("wrong-part", 6, "it is not a window of the old state"),
+    ("two-sources", 6, "cat_1 does not join the old state C[:l] with new frames"),
+    ("halved", 2, "cat_1 does not join the old state C[:l] with new frames"),
+])
+def test_a_materialized_state_says_why_it_is_copied(form, cache, why):
+    """A look-alike of retention is copied into the carry once, the record saying why: no window
+    of the old state at all, or the window's own reason (not followed by a stacking reason, as
+    the state is no join along another dim). ``halved`` has one slice of ``X`` and one product
+    of it: not retention, so it is asked whether it is a window, and says why not."""
+    named = _named(cache)
+    gm, ctx = _bound(KeepsPromptAndHistory(form), RETAIN, **named)
+    gm = _carry_retention(gm, ctx)
+    assert ctx.records["rewrites"] == [
+        {"kind": "materialize", "region": "k",
+         "detail": f"new state (6 frames) written into C[:6]: copied once, because {why}"}]
+    with torch.no_grad():
+        stock = KeepsPromptAndHistory(form)(named["x"], named["cache"].clone())
+    assert all(torch.equal(a, b) for a, b in zip(_run(gm, ctx, named), stock))
+
+
+def test_a_retention_source_without_a_fake_value_is_materialized():
+    """``X`` of ``cat([X[:2], X[-4:]])`` lost its recorded value: its length is unknown, so the
+    retention moves are not attempted and the state is copied whole, exact."""
+    named = _named(6)
+    gm, ctx = _bound(KeepsPromptAndHistory(), RETAIN, **named)
+    source = _output(gm).args[0][1].args[0][0].args[0]
+    del source.meta["val"]
+    gm = _carry_retention(gm, ctx)
+    assert [(r["kind"], r["region"]) for r in ctx.records["rewrites"]] == [("materialize", "k")]
+    with torch.no_grad():
+        stock = KeepsPromptAndHistory()(named["x"], named["cache"].clone())
+    assert all(torch.equal(a, b) for a, b in zip(_run(gm, ctx, named), stock))
+
+
+class KeepsPromptAndHistoryOnDim0(nn.Module):
+    """Prompt + history along dim 0, ``cat`` called without ``dim`` (traced without it too)."""
+
+    def forward(self, x, cache):
+        xc = torch.cat([cache, x])
+        return x * 2, torch.cat([xc[:2], xc[-4:]])
+
+
+def test_retention_along_dim_0_with_the_default_cat_dim():
+    """A ``cat`` traced without its ``dim`` argument joins along dim 0: on a dim-0 region it is
+    still retention (two parts of one source), written in place, exact."""
+    adapter = Adapter(name="dim-0", clocks={"c": 2, "p": 2, "r": 4},
+                      regions=(Region(name="k", input="cache", output="1", dim=0,
+                                      retention=PromptRetained("p", "r"), advance="c",
+                                      ordering=APPEND, shape=(None, 3)),),
+                      call_frames=("c",), call_input="x", call_dim=0)
+    g = torch.Generator().manual_seed(1)
+    named = {"x": torch.randn(2, 3, generator=g), "cache": torch.randn(6, 3, generator=g)}
+    gm, ctx = _bound(KeepsPromptAndHistoryOnDim0(), adapter, **named)
+    assert [len(n.args) for n in gm.graph.nodes if n.target is CAT] == [1, 1]
+    gm = _carry_retention(gm, ctx)
+    assert ctx.records["rewrites"] == [
+        {"kind": "retention", "region": "k", "detail": "new state (6 frames) written into C[:6]"}]
+    with torch.no_grad():
+        stock = KeepsPromptAndHistoryOnDim0()(named["x"], named["cache"].clone())
+    assert all(torch.equal(a, b) for a, b in zip(_run(gm, ctx, named), stock))
+
+
+class DropsItsOldestFrame(nn.Module):
+    """The new state is the old state without its oldest frame: ``C[1:4]``, a view of the carry
+    it is copied into, overlapping ``C[:3]``."""
+
+    def forward(self, x, cache):
+        return x + 1, cache[:, :, 1:]
+
+
+def test_a_state_reading_the_carry_at_an_offset_is_copied_through_a_temporary():
+    """Whether the state reads the carry is decided by its view chain, not by its recorded
+    value: here that value no longer shares the carry's storage (as after a rewrite that
+    recorded a fresh one), and the copy still goes through one temporary, exact."""
+    from cadence_fx.passes._carry_graph import fake_mode
+
+    named = _named(4)
+    gm, ctx = _bound(DropsItsOldestFrame(), _region_adapter(SlidingWindow("W"), W=4), **named)
+    state = _output(gm).args[0][1]
+    state.meta["val"] = fake_mode(gm).from_tensor(torch.zeros(1, 2, 3))
+    gm = _carry_retention(gm, ctx)
+    assert [(r["kind"], r["region"]) for r in ctx.records["rewrites"]] == [("materialize", "k")]
+    assert sum(n.target is CLONE for n in gm.graph.nodes) == 1
+    assert all(torch.equal(a, b) for a, b in zip(_run(gm, ctx, named),
+                                                  DropsItsOldestFrame()(**named)))
+
+
+class ReturnsItsOldState(nn.Module):
+    """Besides the new state (result 0) the step returns the old state, a view of the carry."""
+
+    def forward(self, x, cache):
+        return torch.cat([cache, x], 2)[:, :, -4:], cache
+
+
+def test_an_old_state_handed_out_as_a_copy_keeps_its_fake_value():
+    """The clone handed out in place of the old state carries the old state's fake value, as every
+    node the pass inserts before later passes read shapes from them."""
+    gm, ctx = _bound(ReturnsItsOldState(), _region_adapter(SlidingWindow("W"), output="0", W=4),
+                     **_named(4))
+    gm = _carry_retention(gm, ctx)
+    copy = _output(gm).args[0][1]
+    assert copy.target is CLONE
+    v = copy.meta["val"]
+    assert isinstance(v, torch.Tensor) and (tuple(v.shape), v.dtype) == ((1, 2, 4), torch.float32)
+    assert v is copy.args[0].meta["val"]
+
+
+def test_a_window_without_room_is_a_near_miss_of_its_region_with_the_reason():
+    """The region declares 1 frame of room where a call adds 2, and the step reads the whole
+    concatenation: the full window cannot be rewritten in place. The near miss names the
+    region and the reason, and the copy's record repeats it."""
+    adapter = dataclasses.replace(_adapter(4, 2), clocks={"W": 4, "c": 2, "one": 1}, regions=(
+        dataclasses.replace(_adapter(4, 2).regions[0], room="one"),))
+    model = HandsOutAViewOfTheWindow()
+    compiled = cadence_fx.compile(model, adapter)
+    g = torch.Generator().manual_seed(8)
+    ours = ref = torch.zeros(1, 2, 0)
+    for _ in range(4):
+        x = torch.randn(1, 2, 2, generator=g)
+        with torch.no_grad():
+            (y, ours, _), (y_ref, ref, _) = compiled(x, ours), model(x, ref)
+        assert torch.equal(y, y_ref) and torch.equal(ours, ref)
+    (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
+    why = ("cat holds 6 frames before the window drops any, but the carry holds 5; give the "
+           "region `room` for a call's frames")
+    assert steady.records["near_misses"] == [{"kind": "near_miss", "region": "k", "detail": why}]
+    assert steady.records["rewrites"] == [
+        {"kind": "materialize", "region": "k",
+         "detail": f"new state (4 frames) written into C[:4]: copied once, because {why}"}]
+
+
+def _lockstep_window(compiled, model, calls):
+    """``calls`` 2-frame chunks through ``compiled`` and ``model`` side by side, all equal."""
+    g = torch.Generator().manual_seed(9)
+    ours = ref = torch.zeros(1, 2, 0)
+    for _ in range(calls):
+        x = torch.randn(1, 2, 2, generator=g)
+        with torch.no_grad():
+            (y, ours), (y_ref, ref) = compiled(x, ours), model(x, ref)
+        assert torch.equal(y, y_ref) and torch.equal(ours, ref)
+
+
+def test_the_shadow_audit_is_an_eager_piece_with_its_reason():
+    """With ``verify`` each carry write is followed by a host comparison: a piece of its own,
+    eager, the reason in the report."""
+    model = OnlyWindow("slice", 4, 2)
+    compiled = cadence_fx.compile(model, _adapter(4, 2), verify=True)
+    _lockstep_window(compiled, model, calls=3)
+    for entry in compiled.classes.values():
+        assert [(p["kind"], p["reasons"]) for p in entry.records["pieces"]] == [
+            ("graph", []), ("eager", ["shadow audit compares on the host"])]
+    assert compiled.auditor.comparisons["k"] == 3
+
+
+# -- stacked windows (passes/_carry_stacked.py) through the carry pass -------------------------------
+
+class TwoLayerWindows(nn.Module):
+    """Two layers' windows of the last 4 frames, each kept by concatenation on its slice of the
+    old state (``cache[i]``), stacked into the new state ``(2, 1, 2, frames)``. ``window``: only
+    the windows are read; ``full``: the whole concatenations are read; ``window-reversed``: only
+    the windows, layer 1's concatenation computed first (so layer 0's window, read by nothing
+    but the step, moves down at its concatenation; layer 1's cannot, layer 0 reads the old
+    state after it); ``uneven``: as ``window``, but layer 1 keeps its first 4 frames."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.read = read
+
+    def forward(self, x, cache):
+        if self.read == "window-reversed":
+            fulls = [torch.cat([cache[i], x[i]], 2) for i in (1, 0)][::-1]
+        else:
+            fulls = [torch.cat([cache[i], x[i]], 2) for i in range(2)]
+        wins = [f[:, :, -4:] for f in fulls]
+        if self.read == "uneven":
+            wins[1] = fulls[1][:, :, :4]
+        if self.read != "full":
+            y = wins[0].softmax(2).sum(2, keepdim=True) + wins[1].softmax(2).sum(2, keepdim=True)
+        else:
+            y = (fulls[0] * 2).sum(2, keepdim=True) + (fulls[1] * 2).sum(2, keepdim=True)
+        return y, torch.stack(wins)
+
+
+def _stacked_stream(read, room=None):
+    """Four calls (extents 0, 2, 4, 4) compiled and stock side by side, every result equal; the
+    records of each class by its extent."""
+    adapter = Adapter(name="two-layers", clocks={"W": 4, "c": 2, "one": 1},
+                      regions=(Region(name="kv", input="cache", output="1", dim=3,
+                                      retention=SlidingWindow("W"), advance="c", ordering=APPEND,
+                                      shape=(2, 1, 2, None), room=room),),
+                      call_frames=("c",), call_input="x", call_dim=3)
+    model = TwoLayerWindows(read)
+    compiled = cadence_fx.compile(model, adapter)
+    g = torch.Generator().manual_seed(10)
+    ours = ref = torch.zeros(2, 1, 2, 0)
+    for _ in range(4):
+        x = torch.randn(2, 1, 2, 2, generator=g)
+        with torch.no_grad():
+            (y, ours), (y_ref, ref) = compiled(x, ours), model(x, ref)
+        assert torch.equal(y, y_ref) and torch.equal(ours, ref)
+    assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (4, 0)
+    return {key[0][0][0]: e.records for key, e in compiled.classes.items()}
+
+
+@pytest.mark.parametrize("read", ["window", "full", "window-reversed"])
+def test_stacked_windows_are_recorded_by_their_parts_and_window(read):
+    """Each class names the parts' concatenations, the frames held and added, and the window
+    as the stock code takes it; bit-exact whether every window moves once after the writes
+    (``window``, ``full``) or one of them already moved down at its concatenation
+    (``window-reversed``: the other then moves on its own, from where it is)."""
+    records = _stacked_stream(read)
+    cats = "cat_1, cat" if read == "window-reversed" else "cat, cat_1"
+    detail = ("2 windows (append, {} + 2 frames: " + cats + ") stacked along other dims became "
+              "in-place writes on their carry slices; the window [{}, {}) is C[:{}]")
+    assert {held: r["rewrites"] for held, r in records.items()} == {
+        0: [{"kind": "append", "region": "kv", "detail": detail.format(0, 0, 2, 2)}],
+        2: [{"kind": "append", "region": "kv", "detail": detail.format(2, 0, 4, 4)}],
+        4: [{"kind": "retention", "region": "kv", "detail": detail.format(4, 2, 6, 4)}]}
+    assert all(r["near_misses"] == [] for r in records.values())
+
+
+def test_a_stacked_part_without_room_is_a_near_miss_and_the_state_is_copied_with_the_reason():
+    """With 1 frame of room the full window's first part cannot be written in place: a near
+    miss naming the part and the reason; the state is copied once, the record repeating it."""
+    records = _stacked_stream("full", room="one")
+    why = ("part [0]: cat holds 6 frames before the window drops any, but the carry holds 5; "
+           "give the region `room` for a call's frames")
+    assert records[4]["near_misses"] == [{"kind": "near_miss", "region": "kv", "detail": why}]
+    assert records[4]["rewrites"] == [
+        {"kind": "materialize", "region": "kv",
+         "detail": f"new state (4 frames) written into C[:4]: copied once, because {why}"}]
+
+
+def test_a_view_of_the_rewritten_window_is_handed_out_as_a_copy_by_the_pass():
+    """Once the concatenation is a view of the carry, so is the window's oldest frame (result
+    2): the pass itself hands it out as a clone, so the rewritten graph returns no result but
+    the new state that shares the carry's memory."""
+    named = _named(4)
+    gm, ctx = _bound(HandsOutAViewOfTheWindow(), _adapter(4, 2), **named)
+    gm = _carry_retention(gm, ctx)
+    assert _output(gm).args[0][2].target is CLONE
+    got = _run(gm, ctx, named)
+    carry = ctx.regions[0].carry.tensor.untyped_storage().data_ptr()
+    assert [t.untyped_storage().data_ptr() == carry for t in got] == [False, True, False]
+    with torch.no_grad():
+        stock = HandsOutAViewOfTheWindow()(named["x"], named["cache"].clone())
+    assert all(torch.equal(a, b) for a, b in zip(got, stock))
+
+
+def test_stacked_parts_keeping_different_windows_are_copied_with_both_reasons():
+    """Once the window is full, layer 1 keeps frames [0, 4) where layer 0 keeps [2, 6): the state
+    is no window of one concatenation, nor one window of the carry. The copy's record gives both
+    reasons, the first why it is no window, then why it is no join of windows."""
+    records = _stacked_stream("uneven")
+    assert [r["kind"] for r in records[2]["rewrites"]] == ["append"]
+    assert records[4]["rewrites"] == [
+        {"kind": "materialize", "region": "kv",
+         "detail": "new state (4 frames) written into C[:4]: copied once, because the new state "
+                   "is not a window of a concatenation along the frame dim; part [1] keeps frames "
+                   "[0, 4) of 4 + 2, part [0] [2, 6) of 4 + 2: not one window of the carry"}]
+    assert records[4]["near_misses"] == []
