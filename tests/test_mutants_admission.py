@@ -373,3 +373,28 @@ def test_a_catalog_over_the_width_limit_is_refused_in_strict_mode():
     with pytest.raises(cadence_fx.GuardError) as e:
         cadence_fx.compile(Nested(), _wide(), strict=True)
     assert str(e.value) == f"strict mode: {WIDE}"
+
+
+class Square(nn.Module):
+    """A 4-frame window of 4 channels: a state and its transpose have the same shape."""
+
+    def forward(self, x, cache):
+        return x * 2 + cache.sum(2, keepdim=True), torch.cat([cache, x], 2)[:, :, -4:]
+
+
+def test_a_state_that_is_the_carry_transposed_is_absorbed_through_a_copy():
+    """The handed-out state transposed is a view of the carry with other strides (not the state
+    the step handed out, nor stale): absorbing it copies it into the carry it lives in, every
+    element from another place. It is copied out first, so the call runs as stock does on the
+    transposed values (copied in place, the first rows written would be read back as columns)."""
+    c = cadence_fx.compile(Square(), _window(shape=(1, 4, None)))
+    g = torch.Generator().manual_seed(2)
+    x0, x1, cache = (torch.randn(1, 4, n, generator=g) for n in (2, 2, 4))
+    with torch.no_grad():
+        state = c(x0, cache)[1]
+        turned = state.transpose(1, 2)
+        assert turned.untyped_storage().data_ptr() == c.carries["k"].tensor.untyped_storage().data_ptr()
+        want = Square()(x1, turned.clone())
+        got = c(x1, turned)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert (c.counters.compiled_calls, c.counters.fallbacks, c.counters.absorptions) == (2, 0, 2)
