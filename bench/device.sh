@@ -62,6 +62,7 @@ if [[ $STEP == timeline ]]; then
   # per-kernel timeline of one steady replayed chunk, CFM step (suite SRc) and flow step, vs stock
   python3 bench/replay_timeline.py --out "$OUT/timeline" ${BENCH_ARGS//+/ } > "$OUT/timeline.log" 2>&1
   echo "timeline rc $?"; tail -6 "$OUT/timeline.log"
+  tar czf "$OUT/timeline.tgz" -C "$OUT" timeline && rm -rf "$OUT/timeline"   # few files come back
 fi
 if [[ $STEP == suite ]]; then
   # the whole suite (E, S, SRc, R, Rc, V, B on the CFM loop; whole chunk; Moshi); T/TM via CONFIGS

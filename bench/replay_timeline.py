@@ -11,8 +11,9 @@ deterministic kernels on both paths; by default neither is pinned, as in the sui
 events around the call, as the suite times it), the GPU span (first device event start to last
 end), the kernel time and count (copies and memsets apart), copies and memsets (count, time),
 the idle time inside the span (``gaps_ms``) and the largest gaps with the events around them, and
-the host time from the call to the first device event. Writes ``DIR/timeline.json`` and the
-profiler traces ``DIR/<step>-<path>.json.gz`` (chrome://tracing, Perfetto).
+the host time from the call to the first device event, and the idle gaps counted by length.
+Writes ``DIR/timeline.json`` (and prints it) and the profiler traces ``DIR/<step>-<path>.json.gz``
+(chrome://tracing, Perfetto).
 """
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ import cadence_fx
 
 
 def _device_events(prof):
+    """Kernels, copies and memsets on the device; the ``chunk`` annotation's device range, which
+    spans them all, is not one of them."""
     out = []
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "chunk":
             out.append((e.time_range.start, e.time_range.end, e.name))
     return sorted(out)
 
@@ -68,6 +71,7 @@ def analyse(events, host_start_us, wall_ms):
         prev[s] = last
         last = n
     row["top_gaps"] = [{"us": round(g[0], 1), "before": prev.get(g[2]), "after": g[3]} for g in top]
+    row["gap_histogram_us"] = gap_histogram(events)
     return row
 
 
@@ -90,6 +94,17 @@ def profile_call(call, label, trace_dir):
         shutil.copyfileobj(f, g)
     os.remove(path)
     return row
+
+
+def gap_histogram(events):
+    """Idle gaps between device events, counted by whole microseconds (10 = 10 or more)."""
+    hist, busy = {}, events[0][0] if events else 0
+    for s, e, _ in events:
+        if s > busy:
+            us = min(int(s - busy), 10)
+            hist[us] = hist.get(us, 0) + 1
+        busy = max(busy, e)
+    return dict(sorted(hist.items()))
 
 
 def cfm_part(depth, trace_dir):
@@ -164,6 +179,7 @@ def main():
         print(part, json.dumps({k: v for k, v in s.items() if not isinstance(v, list)}), flush=True)
     with open(os.path.join(a.out, "timeline.json"), "w") as f:
         json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1))   # in the log too: the device returns a few files only
 
 
 if __name__ == "__main__":
