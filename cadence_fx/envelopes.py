@@ -61,6 +61,8 @@ class Envelopes:
                                      [*self._params.values(), *self._buffers.values()]
                                      if t.untyped_storage().nbytes())
         for name in names:
+            if name in self.released:
+                continue   # released before (its storage is empty now): nothing to do
             buf = self._buffers[name]
             storage = buf.untyped_storage()
             whole = (buf.storage_offset() == 0 and shared[storage.data_ptr()] == 1
@@ -68,7 +70,7 @@ class Envelopes:
             if not whole:
                 log.info("stock envelope %s shares its storage; it is kept", name)
                 continue
-            if storage.nbytes() and name not in self.released:
+            if storage.nbytes():
                 self.released[name] = storage.nbytes()
                 storage.resize_(0)
                 log.debug("released stock envelope %s (%d bytes)", name, self.released[name])
