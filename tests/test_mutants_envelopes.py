@@ -269,12 +269,14 @@ def test_release_logs_each_envelope_by_name_kept_or_freed(caplog):
 def test_releasing_an_envelope_again_changes_nothing_and_logs_nothing(caplog):
     """A second release of an envelope already released (its storage is empty) is a no-op: it
     is not reported as sharing its storage, and its bytes are counted once."""
-    env = _envelopes({"whole": torch.ones(3, 5)})
+    env = _envelopes({"whole": torch.ones(3, 5), "other": torch.ones(2)})
     env.release(["whole"])
     with caplog.at_level(logging.DEBUG, logger="cadence_fx.envelopes"):
         env.release(["whole"])
     assert [r.getMessage() for r in caplog.records if r.name == "cadence_fx.envelopes"] == []
     assert env.released == {"whole": 60} and env._counters.released_bytes == 60
+    env.release(["whole", "other"])   # the names after it are still released
+    assert env.released == {"whole": 60, "other": 8} and env._counters.released_bytes == 68
 
 
 def test_restoring_for_good_adds_every_envelopes_bytes():
