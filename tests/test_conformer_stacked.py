@@ -15,7 +15,7 @@ import torch
 import cadence_fx
 from cadence_fx.fx_utils import aten, is_mutating, mutated_arg, view_chain
 
-from streaming_conformer import (FLUSH, LAYERS, STACKED_ADAPTER, chunk_feats, clone_state,
+from streaming_conformer import (FLUSH, STACKED_ADAPTER, chunk_feats, clone_state,
                                  make_model, prompt_feats, run_turns)
 
 REGIONS = [r.name for r in STACKED_ADAPTER.regions]
