@@ -107,54 +107,51 @@ def gap_histogram(events):
     return dict(sorted(hist.items()))
 
 
+def profile_paths(name, stock, compiled, warm, call, prompt, trace_dir):
+    """Stock (``E``) and ``compiled`` (``SRc``) alike: ``warm(step)`` (the compiled step traces and
+    captures), then from ``prompt`` chunk 0 unprofiled and chunk 1 profiled;
+    ``call(step, i, state)`` runs chunk ``i`` and returns the new state."""
+    res = {}
+    for label, step in (("E", stock), ("SRc", compiled)):
+        warm(step)
+        state = call(step, 0, prompt)
+        res[label] = profile_call(lambda: call(step, 1, state), f"{name}-{label}", trace_dir)
+    res["SRc"]["replays"] = compiled.counters.replays
+    res["SRc"]["fallbacks"] = compiled.counters.fallbacks
+    compiled.close()
+    return res
+
+
 def cfm_part(depth, trace_dir):
     from cadence_fx import adapters
     from suite_measure import CFMStream
     stream = CFMStream(depth, chunks=8)
     adapter = adapters.get("minicpmo-token2wav").select("estimator_att_cache", "estimator_cnn_cache")
     compiled = cadence_fx.compile(stream.step, adapter, release_envelopes=True)
-    res = {}
-    for label, step in (("E", stream.step), ("SRc", compiled)):
-        stream.run(step)                                   # warm: compiles and captures
-        state = stream.prompt
 
-        def chunk(i):
-            nonlocal state
-            mu, cond = stream.xs[i]
-            with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float32):
-                _, state = step(mu, stream.spks, cond, state)
+    def call(step, i, state):
+        mu, cond = stream.xs[i]
+        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float32):
+            return step(mu, stream.spks, cond, state)[1]
 
-        chunk(0)
-        res[label] = profile_call(lambda: chunk(1), f"cfm-{label}", trace_dir)
-    res["SRc"]["replays"] = compiled.counters.replays
-    res["SRc"]["fallbacks"] = compiled.counters.fallbacks
-    compiled.close()
-    return res
+    return profile_paths("cfm", stream.step, compiled, stream.run, call, stream.prompt, trace_dir)
 
 
 def flow_part(depth, trace_dir):
     import token2wav_chunk as tc
     flow, hift, spk, prompt, tokens, last, turn = tc.build(depth, 4)
     compiled = cadence_fx.compile(flow, "minicpmo-token2wav-flow", release_envelopes=True)
-    res = {}
-    for label, step in (("E", flow), ("SRc", compiled)):
-        state = prompt
-        for i in range(3):                                 # warm: compiles and captures
-            with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float32):
-                _, state = step(tokens[i], spk, prompt if i == 0 else state, last_chunk=False)
-        state = prompt
 
-        def chunk(i):
-            nonlocal state
-            with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float32):
-                _, state = step(tokens[i], spk, state, last_chunk=False)
+    def call(step, i, state):
+        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float32):
+            return step(tokens[i], spk, state, last_chunk=False)[1]
 
-        chunk(0)
-        res[label] = profile_call(lambda: chunk(1), f"flow-{label}", trace_dir)
-    res["SRc"]["replays"] = compiled.counters.replays
-    res["SRc"]["fallbacks"] = compiled.counters.fallbacks
-    compiled.close()
-    return res
+    def warm(step):
+        state = prompt
+        for i in range(3):
+            state = call(step, i, state)
+
+    return profile_paths("flow", flow, compiled, warm, call, prompt, trace_dir)
 
 
 def main():

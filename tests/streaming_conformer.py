@@ -25,6 +25,7 @@ batch, d_model, 4)); ``STACKED_ADAPTER`` declares them.
 """
 from __future__ import annotations
 
+import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -32,10 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from cadence_fx.contract import APPEND, Adapter, Effects, Region, SlidingWindow
+from cadence_fx.fx_utils import is_mutating, mutated_arg, view_chain
 
 __all__ = ["StreamingConformer", "CONFORMER_ADAPTER", "STACKED_ADAPTER", "CLOCKS", "LAYERS", "BINS", "PROMPT",
            "CHUNKS", "FLUSH", "make_model", "prompt_feats", "chunk_feats", "clone_state",
-           "prime", "run_turns", "State"]
+           "prime", "run_turns", "interleave", "joins_feeding_carries", "State"]
 
 LAYERS, D_MODEL, HEADS, FFN, BINS, KERNEL = 3, 64, 4, 256, 80, 5
 PROMPT, WINDOW, CHUNKS, FLUSH = 16, 24, (8, 12), 4
@@ -247,3 +249,36 @@ def run_turns(step, turns: Sequence[Tuple[int, Sequence[int]]], seed: int):
                 out, state = step(x, state)
                 calls.append((out.clone(), clone_state(state)))
     return calls, torch.get_rng_state()
+
+
+def interleave(scripts: Sequence[Sequence], arrivals: Sequence[int], seed: int):
+    """One interleaving of the sessions' scripts, as a server meets them: ``(session, op)`` per
+    global step, where one of the sessions that have arrived (``arrivals[i]``: the step from
+    which session ``i`` may start) and have ops left runs its next op."""
+    rng, pos, order = random.Random(seed), [0] * len(scripts), []
+    while any(p < len(s) for p, s in zip(pos, scripts)):
+        ready = [i for i, (p, s) in enumerate(zip(pos, scripts))
+                 if p < len(s) and arrivals[i] <= len(order)]
+        i = rng.choice(ready) if ready else min(i for i, (p, s) in enumerate(zip(pos, scripts))
+                                                if p < len(s))
+        order.append((i, scripts[i][pos[i]]))
+        pos[i] += 1
+    return order
+
+
+def joins_feeding_carries(entry, joins) -> List[Tuple[str, str]]:
+    """``(carry, join node)`` for every in-place write into a carry of a compiled class whose
+    source is (a view of) one of ``joins`` (e.g. ``aten.cat``): the stock join still runs to form
+    the new state."""
+    gm = entry.records.get("graph", entry.gm)
+    carries = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("carry_")}
+    found = []
+    for n in gm.graph.nodes:
+        dst = mutated_arg(n) if is_mutating(n) else None
+        if dst is None or view_chain(dst)[0] not in carries:
+            continue
+        for src in n.all_input_nodes:
+            base = view_chain(src)[0]
+            if src is not dst and base.op == "call_function" and base.target in joins:
+                found.append((view_chain(dst)[0].name, base.name))
+    return found

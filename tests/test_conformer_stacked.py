@@ -7,16 +7,15 @@ compared with ``torch.equal`` against the stock module, each session against its
 the compiled path is asserted (every call compiled, the rewrite kinds, no concatenation left)."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 import cadence_fx
-from cadence_fx.fx_utils import aten, is_mutating, mutated_arg, view_chain
+from cadence_fx.fx_utils import aten
 
 from streaming_conformer import (FLUSH, STACKED_ADAPTER, chunk_feats, clone_state,
-                                 make_model, prompt_feats, run_turns)
+                                 interleave, joins_feeding_carries, make_model, prompt_feats,
+                                 run_turns)
 
 REGIONS = [r.name for r in STACKED_ADAPTER.regions]
 TURNS = [(0, [8, 12, 12, 8, FLUSH]), (1, [12, 8, 8, 12])]
@@ -77,24 +76,7 @@ def test_stacked_caches_stream_bit_exact_in_place(model, stock, traces):
         assert set(kinds) == set(REGIONS) and set(kinds.values()) <= {"retention", "append"}, kinds
     for key, entry in c.classes.items():
         if None not in key[0][0]:
-            assert _joins_feeding_carries(entry) == [], key
-
-
-def _joins_feeding_carries(entry):
-    """Every in-place write into a carry whose source is (a view of) a cat or stack: the stock
-    join still runs to form the new state."""
-    gm = entry.records.get("graph", entry.gm)
-    carries = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("carry_")}
-    found = []
-    for n in gm.graph.nodes:
-        dst = mutated_arg(n) if is_mutating(n) else None
-        if dst is None or view_chain(dst)[0] not in carries:
-            continue
-        for src in n.all_input_nodes:
-            base = view_chain(src)[0]
-            if src is not dst and base.op == "call_function" and base.target in JOINS:
-                found.append((view_chain(dst)[0].name, base.name))
-    return found
+            assert joins_feeding_carries(entry, JOINS) == [], key
 
 
 # Per session: (speaker, generator seed, feature seed, script). "prime" runs the speaker's prompt
@@ -126,18 +108,6 @@ def _run_alone(step, speaker, rng_seed, feats, script):
     return outs
 
 
-def _schedule(seed):
-    rng, pos, order = random.Random(seed), [0] * len(SESSIONS), []
-    while any(p < len(s[3]) for p, s in zip(pos, SESSIONS)):
-        ready = [i for i, (p, s) in enumerate(zip(pos, SESSIONS))
-                 if p < len(s[3]) and ARRIVALS[i] <= len(order)]
-        i = rng.choice(ready) if ready else min(i for i, (p, s) in enumerate(zip(pos, SESSIONS))
-                                                if p < len(s[3]))
-        order.append((i, SESSIONS[i][3][pos[i]]))
-        pos[i] += 1
-    return order
-
-
 @pytest.mark.parametrize("order", [5, 6])
 def test_pool_primes_each_speaker_inline_while_others_stream(model, stock, traces, order):
     feats = [chunk_feats(WIDTHS, seed) for *_, seed, _ in SESSIONS]
@@ -147,7 +117,7 @@ def test_pool_primes_each_speaker_inline_while_others_stream(model, stock, trace
     outside = torch.get_rng_state()
     ids, saved, outs = {}, {}, [[] for _ in SESSIONS]
     primed_while_streaming = retired_while_streaming = 0
-    for i, op in _schedule(seed=order):
+    for i, op in interleave([script for *_, script in SESSIONS], ARRIVALS, seed=order):
         spk, rng_seed = SESSIONS[i][:2]
         if i not in ids:
             ids[i] = pool.open(None, seed=rng_seed)

@@ -13,17 +13,16 @@ OpenMP threads per op make each chunk some 50x slower.
 """
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 import cadence_fx
-from cadence_fx.fx_utils import aten, is_mutating, mutated_arg, view_chain
+from cadence_fx.fx_utils import aten
 
 from op_count import OpCount, difference
 from streaming_conformer import (CONFORMER_ADAPTER, FLUSH, LAYERS, chunk_feats, clone_state,
-                                 make_model, prime, run_turns)
+                                 interleave, joins_feeding_carries, make_model, prime,
+                                 run_turns)
 
 PRIMING_CLASS = ((None,) * (3 * LAYERS), 16)   # no region state in, the 16-frame prompt
 REGIONS = [r.name for r in CONFORMER_ADAPTER.regions]
@@ -142,20 +141,6 @@ def _run_alone(step, prompt, rng_seed, feats, script):
     return outs
 
 
-def _schedule(seed):
-    """One interleaving: at each global step, one of the sessions that have arrived and have ops
-    left runs its next op."""
-    rng, pos, order = random.Random(seed), [0] * len(SESSIONS), []
-    while any(p < len(s[3]) for p, s in zip(pos, SESSIONS)):
-        ready = [i for i, (p, s) in enumerate(zip(pos, SESSIONS))
-                 if p < len(s[3]) and ARRIVALS[i] <= len(order)]
-        i = rng.choice(ready) if ready else min(i for i, (p, s) in enumerate(zip(pos, SESSIONS))
-                                                if p < len(s[3]))
-        order.append((i, SESSIONS[i][3][pos[i]]))
-        pos[i] += 1
-    return order
-
-
 def test_session_pool_serves_arrivals_retirements_and_retries(model, stock, traces):
     # the server primes each speaker once, on the stock module, and keeps the prompt state
     torch.manual_seed(50)
@@ -169,7 +154,7 @@ def test_session_pool_serves_arrivals_retirements_and_retries(model, stock, trac
     outside = torch.get_rng_state()
     ids, saved, outs = {}, {}, [[] for _ in SESSIONS]
     arrived_while_streaming = retired_while_streaming = 0
-    for i, op in _schedule(seed=3):
+    for i, op in interleave([script for *_, script in SESSIONS], ARRIVALS, seed=3):
         spk, rng_seed = SESSIONS[i][:2]
         if i not in ids:
             arrived_while_streaming += bool(pool.sessions)
@@ -206,23 +191,6 @@ def test_session_pool_serves_arrivals_retirements_and_retries(model, stock, trac
 
 # -- 3. what the product must do and does not do yet -------------------------------------------
 
-def _cats_feeding_carries(entry):
-    """``(carry, cat node)`` for every in-place write into a carry whose source is (a view of) an
-    ``aten.cat`` result: the stock concatenation still runs to form the new state."""
-    gm = entry.records.get("graph", entry.gm)
-    carries = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("carry_")}
-    found = []
-    for n in gm.graph.nodes:
-        dst = mutated_arg(n) if is_mutating(n) else None
-        if dst is None or view_chain(dst)[0] not in carries:
-            continue
-        for src in n.all_input_nodes:
-            base = view_chain(src)[0]
-            if src is not dst and base.op == "call_function" and base.target is aten.cat.default:
-                found.append((view_chain(dst)[0].name, base.name))
-    return found
-
-
 def test_kv_and_conv_regions_are_rewritten_in_place(model, traces):
     c = _compile(model, traces)
     run_turns(c, TURNS, seed=9)
@@ -238,7 +206,7 @@ def test_kv_and_conv_regions_are_rewritten_in_place(model, traces):
         kinds = {w["region"]: w["kind"] for w in classes[key]["rewrites"] if w["region"] in REGIONS}
         assert set(kinds) == set(REGIONS), key
         assert all(kind in ("retention", "append") for kind in kinds.values()), (key, kinds)
-        assert _cats_feeding_carries(entries[key]) == [], key
+        assert joins_feeding_carries(entries[key], (aten.cat.default,)) == [], key
     assert k.retentions > 0
 
 
