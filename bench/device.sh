@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call:  bash bench/device.sh  (writes under $OUT)
 # Steps: all (tests, demo, bench) | tests | demo | moshi | chunk | bench | suite | cold | sessions |
-# reliability | mutation | mutation-cpu | timeline,
+# reliability | mutation | mutation-cpu | timeline | warm,
 # or par "<steps for GPU 0>" "<steps for GPU 1>" ... (each under PAR_LIMIT seconds, default 540).
 # BENCH_ARGS passes arguments to the step's script; '+' separates them (BENCH_ARGS=--ns=1,2+--rounds=4).
 # Needs the model wheels in .whl/, carried along:
@@ -70,6 +70,14 @@ if [[ $STEP == suite ]]; then
   CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 bench/suite.py --out "$OUT/$N.json" \
     --configs "${CONFIGS:-E,SRc,S,R,Rc,V,B,T,TM}" --parts "${PARTS:-cfm,whole,moshi}" ${BENCH_ARGS//+/ } \
     > "$OUT/$N.out" 2> "$OUT/$N.log"; echo "suite rc $?"; tail -40 "$OUT/$N.log"
+fi
+if [[ $STEP == warm ]]; then
+  # cold vs warm start with the persistent compile cache: fresh processes, alternated
+  for model in ${WARM_MODELS:-token2wav moshi}; do
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 bench/warm_start.py --model $model --device cuda \
+      --runs ${WARM_RUNS:-2} --out "$OUT/warm-$model.json" ${BENCH_ARGS//+/ } > "$OUT/warm-$model.log" 2>&1
+    echo "warm $model rc $?"; tail -4 "$OUT/warm-$model.log"
+  done
 fi
 if [[ $STEP == cold ]]; then
   # the cold compile of the CFM catalog in fresh processes, COLD_RUNS times; with COLD_BASELINE (a

@@ -10,8 +10,10 @@ second pass is steady. ``compile_s`` is the first pass's wall time minus the ste
 restart costs before the stream runs at full speed. Runs alternate cold, warm, cold, warm, ... so a
 drift in the host's speed touches both. Per run: ``first_pass_s``, ``steady_pass_s``,
 ``compile_s``, and the breakdown summed over the compiled steps: ``trace_s`` (tracing),
-``load_s`` (reading the cache), ``passes_s``, ``probe_s``, ``capture_s``, with ``traces`` and
-``cache_loads``. The result keeps every run and the best of each kind (``whole_cold_s``,
+``load_s`` (reading the cache), ``thaw_s`` (making the loaded classes' modules), ``passes_s``, ``probe_s``, ``capture_s``, with ``traces``,
+``cache_loads`` and ``compiled_loads`` (classes loaded compiled: no passes, no probe), the
+``replays`` and ``fallbacks`` of both passes, and ``exact_chunks`` per pass (chunks equal to the
+stock stream's, ``torch.equal``, out of ``chunks``). The result keeps every run and the best of each kind (``whole_cold_s``,
 ``whole_warm_s``: the best ``compile_s``).
 """
 from __future__ import annotations
@@ -30,36 +32,43 @@ def child(model: str, device: str, chunks) -> dict:
     import torch
 
     from cadence_fx.demo import _Clock
-    from cadence_fx.demo_streams import BUILDERS
+    from cadence_fx.demo_streams import BUILDERS, _same
 
     dev = torch.device(device)
     if model == "token2wav" and dev.type == "cuda":
         from cadence_fx.determinism import pin_deterministic_kernels
         pin_deterministic_kernels()
     stream = BUILDERS[model](dev, chunks or (16 if dev.type == "cuda" else 4))
-    stream.stock(_Clock(dev))                          # library set-up: not a restart's cost
+    ref = stream.stock(_Clock(dev))                    # library set-up: not a restart's cost
     if stream.prepare_compiled is not None:
         stream.prepare_compiled()
-    passes = []
+    passes, outs = [], []
     for _ in range(2):
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        stream.compiled(_Clock(dev))
+        outs.append(stream.compiled(_Clock(dev)))
         if dev.type == "cuda":
             torch.cuda.synchronize()
         passes.append(time.perf_counter() - t0)
+    equal = stream.equal or _same
     steps = list(stream.steps.values())
     records = [e.records for s in steps for e in s.classes.values()]
     return {
         "first_pass_s": passes[0], "steady_pass_s": passes[1], "compile_s": passes[0] - passes[1],
         "trace_s": sum(e.traced.seconds for s in steps for e in s.classes.values()),
         "load_s": sum(s.compile_cache.load_seconds for s in steps if s.compile_cache),
+        "thaw_s": sum(r.get("load_s", 0.0) for r in records),
         "passes_s": sum(p["seconds"] for r in records for p in r["passes"]),
         "probe_s": sum(r.get("probe_s", 0.0) for r in records),
         "capture_s": sum(getattr(s.backend, "capture_seconds", 0.0) for s in steps),
         "traces": sum(s.counters.traces for s in steps),
         "cache_loads": sum(s.counters.cache_loads for s in steps),
+        "compiled_loads": sum(s.counters.compiled_loads for s in steps),
+        "replays": sum(s.counters.replays for s in steps),
+        "fallbacks": sum(s.counters.fallbacks for s in steps),
+        # both passes against the stock stream, chunk by chunk (torch.equal)
+        "exact_chunks": [sum(map(equal, ref, o)) for o in outs], "chunks": len(ref),
         "classes": sum(len(s.classes) for s in steps),
     }
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import progress
+from . import progress, stored_class
 from .context import PassContext, RegionBinding
 from .contract import Adapter
 from .effects import RngSnapshot, TensorSnapshot
@@ -23,6 +24,7 @@ from .errors import ContractError, TraceError
 from .fx_utils import graph_module, mutated_attributes, written_bases
 from .pipeline import PassFailed, run_pipeline
 from .replay import EagerBackend
+from .stored_class import carry_like
 from .tracing import InputSpec, TracedStep, leaves_with_paths, trace_step
 
 __all__ = ["ClassEntry", "compile_class", "method_targets"]
@@ -40,6 +42,7 @@ class ClassEntry:
     out_regions: Dict[str, int]      # region -> graph output index of its new state
     writes: int
     retentions: int
+    traced_nodes: int = 0            # nodes of the graph as traced, before the passes
 
 
 def compile_class(cs, key, named) -> Optional[ClassEntry]:
@@ -57,6 +60,9 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
     cs._buffers.update(cs.module.named_buffers())
     label = _label(cs, key)
     progress.note("%s: compiling ...", label, running=True)
+    entry = _load_compiled(cs, key, named, replaced, label)
+    if entry is not None:
+        return entry
     traced = _trace(cs, key, named)
     if traced is None:
         progress.note("%s: runs the stock step (%s)", label, cs._rejected.get(key, "not traced"))
@@ -64,6 +70,9 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
     probe_start = time.perf_counter()
     reason = probe_effects(cs, traced, named)
     probe_s = time.perf_counter() - probe_start
+    # the stock call may have registered module state lazily (Mimi's codebook cache)
+    cs._params.update(cs.module.named_parameters())
+    cs._buffers.update(cs.module.named_buffers())
     if reason is not None:
         log.warning("class %s rejected: %s", key[0], reason)
         cs._rejected[key] = reason
@@ -92,18 +101,10 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
         return None
     # Buffers the rewritten step still writes get a private copy: the user's module is never
     # written by the compiled path (envelopes replaced by carries are gone by now).
-    if cs.release_envelopes:
-        replaced |= written_before - {spec.name for spec in ctx.inputs if spec.kind == "buffer"}
-        for miss in ctx.records["near_misses"]:   # a declared envelope kept: say so, once
-            if miss["detail"].startswith("envelope ") and miss["detail"] not in cs._warned:
-                cs._warned.add(miss["detail"])
-                log.warning("release_envelopes=True, but region %s keeps its stock envelope in "
-                            "class %s: %s", miss["region"], key[0], miss["detail"])
-    unsplit = ctx.records.get("graph", gm)
-    for spec in written_inputs(unsplit, ctx.inputs):
-        if spec.kind == "buffer" and spec.name not in cs._private:
-            with torch.inference_mode(False):   # written in place under any later mode
-                cs._private[spec.name] = cs._buffers[spec.name].detach().clone()
+    newly_replaced = written_before - {spec.name for spec in ctx.inputs if spec.kind == "buffer"}
+    private = [spec.name for spec in written_inputs(ctx.records.get("graph", gm), ctx.inputs)
+               if spec.kind == "buffer"]
+    _keep_buffers(cs, key, ctx.records, replaced, newly_replaced, private)
     # eq. (6), this class: with the regions aliased, only the other tensor arguments are staged
     ctx.records["staging_predicted"] = sum(
         n.meta["val"].numel() * n.meta["val"].element_size()
@@ -113,14 +114,78 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
     entry = ClassEntry(
         key=key, gm=gm, inputs=ctx.inputs, traced=traced, records=ctx.records,
         out_regions={b.region.name: b.out_index for b in bindings if b.out_index is not None},
-        writes=len(writes), retentions=sum(w["kind"] == "retention" for w in writes))
+        writes=len(writes), retentions=sum(w["kind"] == "retention" for w in writes),
+        traced_nodes=len(traced.gm.graph.nodes))
     cs.classes[key] = entry
+    if cs.compile_cache is not None:
+        _store_compiled(cs, entry, private, newly_replaced,
+                        {b.region.name: carry_like(b.carry.tensor) for b in bindings})
     log.info("class %s compiled: %d nodes traced in %.2fs", key[0], len(traced.gm.graph.nodes),
              traced.seconds)
     progress.note("%s: %s (%d nodes), probe %.1f s, passes %.1f s", label,
                   "loaded from the compile cache" if traced.loaded else f"traced {traced.seconds:.1f} s",
                   len(traced.gm.graph.nodes), probe_s, sum(p["seconds"] for p in ctx.records["passes"]))
     return entry
+
+
+def _keep_buffers(cs, key, records, replaced: set, newly_replaced, private) -> None:
+    """Envelopes this class replaced are released with the others (``release_envelopes``); the
+    buffers its graph still writes get a private copy: the compiled path never writes the user's
+    module."""
+    if cs.release_envelopes:
+        replaced |= set(newly_replaced)
+        for miss in records["near_misses"]:   # a declared envelope kept: say so, once
+            if miss["detail"].startswith("envelope ") and miss["detail"] not in cs._warned:
+                cs._warned.add(miss["detail"])
+                log.warning("release_envelopes=True, but region %s keeps its stock envelope in "
+                            "class %s: %s", miss["region"], key[0], miss["detail"])
+    for name in private:
+        if name not in cs._private:
+            with torch.inference_mode(False):   # written in place under any later mode
+                cs._private[name] = cs._buffers[name].detach().clone()
+
+
+def _load_compiled(cs, key, named, replaced: set, label: str) -> Optional[ClassEntry]:
+    """The class as the persistent compile cache stored it after its passes (``stored_class``):
+    no trace, no passes, no probationary call. None when it is not there or cannot be used."""
+    if cs.compile_cache is None or cs.verify:
+        return None
+    payload = cs.compile_cache.load_class(key)
+    if payload is None:
+        return None
+    missing = stored_class.missing_state(cs, payload)
+    if missing:   # stock code registers it on its first call: compile, with the probe
+        log.info("class %s: the cached class reads module state the module does not have yet "
+                 "(%s); compiling it", key[0], ", ".join(missing[:3]))
+        return None
+    start = time.perf_counter()
+    if cs.backend is None:
+        cs.backend = choose_backend(cs, named)
+    regions = {r.name: r for r in cs.adapter.regions}
+    for name, like in payload["carries"].items():   # a priming pass makes the carries
+        if name not in cs.carries and like is not None:
+            shape, dtype, device = like
+            cs.admission.allocate(regions[name], SimpleNamespace(
+                shape=shape, dtype=dtype, device=torch.device(device)), cs.carries)
+    entry = stored_class.thaw(cs, key, payload, label)
+    _keep_buffers(cs, key, entry.records, replaced, payload["replaced"], payload["private"])
+    entry.records["load_s"] = time.perf_counter() - start
+    cs.classes[key] = entry
+    cs.counters.cache_loads += 1
+    cs.counters.compiled_loads += 1
+    progress.note("%s: loaded compiled from the compile cache (%d nodes traced when stored)",
+                  label, entry.traced_nodes)
+    return entry
+
+
+def _store_compiled(cs, entry: ClassEntry, private, newly_replaced, carries) -> None:
+    try:
+        payload = stored_class.freeze(cs, entry, private=private, replaced=list(newly_replaced),
+                                      carries=carries)
+    except stored_class.Unstorable as e:
+        log.info("class %s: only its trace is cached: %s", entry.key[0], e)
+        return
+    cs.compile_cache.store_class(entry.key, payload)
 
 
 def _label(cs, key) -> str:

@@ -1,16 +1,26 @@
-"""A persistent compile cache: each class's trace on disk, so a restarted process skips tracing.
+"""A persistent compile cache: each compiled class on disk, so a restarted process runs nothing
+but the capture.
 
-Tracing is most of a cold compile (the Token2Wav flow's classes take seconds to minutes each);
-the passes that follow take a fraction of a second per class and run again on a load, as do the
-probationary call and the capture (device graphs and addresses belong to one process).
+Two entries per class:
 
-What is stored, per class: the traced aten graph, pickled with torch's own
-``torch.fx._graph_pickler.GraphPickler`` (the format torch's AOTAutograd cache uses for graphs
-whose nodes carry fake tensors: each fake value is stored as its metadata and made again in a
-fresh ``FakeTensorMode`` on load), and the trace's input specs and result structure. Layout::
+* ``<class key>.class``, the class as compiled (``stored_class.py``): the rewritten step's graph
+  modules as torch.fx's own pickled form of a GraphModule keeps them (generated code and its
+  import block) with their bytecode, the constants, the per-piece facts the lowering derived, and
+  the class's records. Loading it skips tracing, the passes and the probationary call; only the
+  capture runs again (device graphs and addresses belong to one process).
+* ``<class key>.trace``, the traced aten graph, pickled with torch's own
+  ``torch.fx._graph_pickler.GraphPickler`` (the format torch's AOTAutograd cache uses for graphs
+  whose nodes carry fake tensors: each fake value is stored as its metadata and made again in a
+  fresh ``FakeTensorMode`` on load), with the trace's input specs and result structure. It is
+  read when the compiled entry is missing or cannot be used (a class that reads state its module
+  registers on its first stock call, a damaged entry, ``verify=True``): the passes and the probe
+  then run on it, and the compiled entry is written again.
+
+Layout::
 
     CACHE_DIR/<step key>/meta.json          model, step, adapter, torch, created
-    CACHE_DIR/<step key>/<class key>.trace  one header line (JSON) + the pickled payload
+    CACHE_DIR/<step key>/<class key>.class  one header line (JSON) + the pickled payload
+    CACHE_DIR/<step key>/<class key>.trace  the same
 
 The step key hashes everything that can change a trace but the signature: the step's source and
 every module class's, the files they are defined in (so the helpers beside them count) and the
@@ -19,7 +29,7 @@ their values: new weights reuse the cache), the pass options, torch's and cadenc
 The class key hashes the signature class (shapes, strides, dtypes, devices, argument structure,
 grad and inference modes). The header repeats both keys in full and the payload's SHA-256: an
 entry whose keys differ (a foreign file), whose digest does not match (a truncated or corrupt
-write) or that does not load is reported with a warning and traced again, never used. Writes go
+write) or that does not load is reported with a warning and compiled again, never used. Writes go
 to a temporary file renamed into place, so processes writing at once leave a valid entry.
 
 Entries are Python pickles: load only a cache directory you trust, as with torch's caches.
@@ -43,11 +53,12 @@ from typing import Dict, List, Optional
 import torch
 import torch.utils._pytree as pytree
 
-from .tracing import TracedStep
+from .stored_class import attributes
+from .tracing import TracedStep, module_state_tensors
 
 __all__ = ["CompileCache", "entries", "clear", "default_dir", "FORMAT"]
 
-FORMAT = 1
+FORMAT = 2
 log = logging.getLogger(__name__)
 
 
@@ -117,6 +128,7 @@ class CompileCache:
         self.meta = {"model": type(cs.module).__qualname__, "step": getattr(fn, "__qualname__", str(fn)),
                      "adapter": cs.adapter.name, "torch": torch.__version__,
                      "cadence_fx": cadence_fx.__version__, "step_key": self.step_key}
+        self.module = cs.module
         self.loads = self.stores = 0
         self.load_seconds = 0.0
 
@@ -124,9 +136,30 @@ class CompileCache:
     def class_key(key) -> str:
         return _digest(repr(key))
 
-    def _path(self, key) -> Path:
-        return self.dir / f"{self.class_key(key)[:24]}.trace"
+    def _path(self, key, kind: str = "trace") -> Path:
+        return self.dir / f"{self.class_key(key)[:24]}.{kind}"
 
+    # -- the compiled class (``stored_class``): what a load runs from, skipping the passes --------
+    def load_class(self, key) -> Optional[dict]:
+        """The class's compiled payload (``stored_class.freeze``), or None (absent; or unusable,
+        with a warning)."""
+        start = time.perf_counter()
+        try:
+            payload = self._read(self._path(key, "class"), key)
+            return None if payload is None else self._unpickle(self._path(key, "class"), payload)
+        finally:
+            self.load_seconds += time.perf_counter() - start
+
+    def store_class(self, key, payload: dict) -> bool:
+        try:
+            blob = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - the class works without its cache entry
+            log.warning("class %s not cached compiled: %s: %s", key[0], type(e).__name__, e)
+            return False
+        self._write(self._path(key, "class"), key, blob)
+        return True
+
+    # -- the trace: what a load runs the passes on, when the class itself is not stored ----------
     def load(self, key) -> Optional[TracedStep]:
         """The class's trace from the cache, or None (absent; or unusable, with a warning)."""
         start = time.perf_counter()
@@ -137,28 +170,25 @@ class CompileCache:
 
     def _load(self, key) -> Optional[TracedStep]:
         path = self._path(key)
-        try:
-            blob = path.read_bytes()
-        except FileNotFoundError:
+        payload = self._read(path, key)
+        if payload is None:
             return None
-        except OSError as e:
-            return self._unusable(path, f"unreadable ({e})")
-        head, sep, payload = blob.partition(b"\n")
+        fields = self._unpickle(path, payload)
+        if fields is None:
+            return None
         try:
-            header = json.loads(head)
-        except ValueError:
-            return self._unusable(path, "not a cadence_fx cache entry (no header)")
-        if not sep or header.get("format") != FORMAT:
-            return self._unusable(path, f"of another format ({header.get('format')!r})")
-        if header.get("step_key") != self.step_key or header.get("class_key") != self.class_key(key):
-            return self._unusable(path, "written for another step or class (foreign entry)")
-        if len(payload) != header.get("bytes") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-            return self._unusable(path, "truncated or corrupt (its digest does not match)")
-        try:
-            fields = pickle.loads(payload)
             from torch._subclasses.fake_tensor import FakeTensorMode
             from torch.fx._graph_pickler import GraphPickler
             gm = GraphPickler.loads(fields.pop("gm"), FakeTensorMode())
+            # module state the graph reads and writes is the live module's, not a stored copy
+            live = module_state_tensors(self.module)
+            missing = [path for path in fields["state_attrs"].values() if path not in live]
+            if missing:
+                log.info("class %s: its trace reads module state the module does not have (%s); "
+                         "traced again", key[0], ", ".join(missing[:3]))
+                return None
+            for target, path in fields.pop("state_attrs").items():
+                setattr(gm, target, live[path])
             fields["out_spec"] = pytree.treespec_loads(fields["out_spec"])
             fields["seconds"] = 0.0          # nothing traced in this process
             traced = TracedStep(gm=gm, loaded=True, **fields)
@@ -174,27 +204,64 @@ class CompileCache:
             fields = {f: getattr(traced, f) for f in ("inputs", "out_spec", "out_paths",
                                                       "out_constants", "out_tensor_index", "seconds",
                                                       "copied_calls", "refused")}
+            # module state is stored by its path and bound to the live module on load
+            state = {id(t): path for path, t in module_state_tensors(self.module).items()}
+            fields["state_attrs"] = {target: ref for target, (kind, ref)
+                                     in attributes(traced.gm, state).items() if kind == "state"}
             fields["gm"] = GraphPickler.dumps(traced.gm, Options(ops_filter=None))
             fields["out_spec"] = pytree.treespec_dumps(traced.out_spec)   # torch's own format
             payload = pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # noqa: BLE001 - the class works without its cache entry
             log.warning("class %s not cached: %s: %s", key[0], type(e).__name__, e)
             return False
+        self._write(self._path(key), key, payload)
+        return True
+
+    # -- one entry on disk: a header line (JSON) and the pickled payload ------------------------
+    def _read(self, path: Path, key) -> Optional[bytes]:
+        """The entry's payload, checked against its header; None when absent or unusable."""
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            return self._unusable(path, f"unreadable ({e})")
+        head, sep, payload = blob.partition(b"\n")
+        try:
+            header = json.loads(head)
+        except ValueError:
+            return self._unusable(path, "not a cadence_fx cache entry (no header)")
+        if not isinstance(header, dict):
+            return self._unusable(path, "not a cadence_fx cache entry (no header)")
+        if not sep or header.get("format") != FORMAT:
+            return self._unusable(path, f"of another format ({header.get('format')!r})")
+        if header.get("step_key") != self.step_key or header.get("class_key") != self.class_key(key):
+            return self._unusable(path, "written for another step or class (foreign entry)")
+        if len(payload) != header.get("bytes") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+            return self._unusable(path, "truncated or corrupt (its digest does not match)")
+        return payload
+
+    def _unpickle(self, path: Path, payload: bytes):
+        try:
+            return pickle.loads(payload)
+        except Exception as e:  # noqa: BLE001 - a cache entry must never break a compile
+            return self._unusable(path, f"not loadable ({type(e).__name__}: {e})")
+
+    def _write(self, path: Path, key, payload: bytes) -> None:
         header = {"format": FORMAT, "step_key": self.step_key, "class_key": self.class_key(key),
                   "class": repr(key[0]), "bytes": len(payload),
                   "sha256": hashlib.sha256(payload).hexdigest()}
         self.dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self._path(key), json.dumps(header).encode() + b"\n" + payload)
+        _atomic_write(path, json.dumps(header).encode() + b"\n" + payload)
         meta = self.dir / "meta.json"
         if not meta.exists():
             created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
             _atomic_write(meta, json.dumps(dict(self.meta, created=created), indent=1).encode())
         self.stores += 1
-        return True
 
     def _unusable(self, path: Path, why: str) -> None:
-        warnings.warn(f"cadence_fx compile cache: {path} is {why}; the class is traced again and "
-                      "the entry rewritten", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"cadence_fx compile cache: {path} is {why}; the class is compiled again "
+                      "and the entry rewritten", RuntimeWarning, stacklevel=4)
         return None
 
 
@@ -218,9 +285,9 @@ def entries(root=None) -> List[Dict]:
             meta = json.loads((d / "meta.json").read_text())
         except (OSError, ValueError):
             meta = {}
-        traces = list(d.glob("*.trace"))
+        classes = {p.stem for p in d.glob("*.trace")} | {p.stem for p in d.glob("*.class")}
         rows.append({"model": meta.get("model", "?"), "step": meta.get("step", "?"),
-                     "adapter": meta.get("adapter", "?"), "classes": len(traces),
+                     "adapter": meta.get("adapter", "?"), "classes": len(classes),
                      "bytes": sum(p.stat().st_size for p in d.iterdir() if p.is_file()),
                      "created": meta.get("created", "?"), "torch": meta.get("torch", "?"),
                      "path": str(d)})

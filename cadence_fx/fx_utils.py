@@ -172,8 +172,11 @@ def written_bases(graph: Graph) -> List[Node]:
 
 
 def mutated_attributes(gm) -> List[torch.Tensor]:
-    """Tensors a graph module holds as attributes (module state) that its graph writes in place."""
-    return [getattr(gm, b.target) for b in written_bases(gm.graph) if b.op == "get_attr"]
+    """Tensors a graph module holds as attributes (module state) that its graph writes in place.
+    A module loaded from the compile cache has no graph; it lists them (``written_attributes``)."""
+    if not isinstance(gm, GraphModule):
+        return [attr_value(gm, target) for target in gm.written_attributes]
+    return [attr_value(gm, b.target) for b in written_bases(gm.graph) if b.op == "get_attr"]
 
 
 def attr_value(gm, target: str):

@@ -39,7 +39,7 @@ class Report:
         for key, e in self.c.classes.items():
             extents, width = key[0]
             rows.append({"extents": list(extents), "width": width,
-                         "traced_nodes": len(e.traced.gm.graph.nodes),
+                         "traced_nodes": e.traced_nodes,
                          "trace_seconds": round(e.traced.seconds, 3),
                          "rewrites": e.records["rewrites"], "near_misses": e.records["near_misses"],
                          "constants": e.records["constants"],

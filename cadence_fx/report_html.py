@@ -11,6 +11,8 @@ from __future__ import annotations
 import html
 from typing import Dict, Iterable, List, Optional, Sequence
 
+import torch
+
 from . import report_charts as charts
 from .catalog import format_bytes as _b
 from .report_rewrites import region_rewrites
@@ -271,6 +273,18 @@ def _pieces(entry, index: int) -> str:
 
 def _rewrites(c, entry, open_: bool) -> str:
     out = ["<h4>Rewrites, per region</h4>"]
+    if "graph" not in entry.records and not isinstance(entry.gm, torch.fx.GraphModule):
+        # loaded compiled from the compile cache: the graph is code, the records are kept
+        out.append("<p class=note>Loaded from the compile cache, where the class is kept as "
+                   "code: the rewrites are listed without their lines. Compile it without the "
+                   "cache (or after <code>cadence-fx cache clear</code>) to see them.</p>")
+        for name in [r.name for r in c.adapter.regions]:
+            mine = [w for w in entry.records["rewrites"] if w["region"] == name]
+            kinds = ", ".join(dict.fromkeys(w["kind"] for w in mine)) or "unchanged"
+            body = "<ul>" + "".join(f"<li>{_e(w['kind'])}: {_e(w['detail'])}</li>"
+                                    for w in mine) + "</ul>" if mine else ""
+            out.append(_details(f"region {name}: {kinds}", body, open_ and bool(mine)))
+        return "".join(out)
     groups = region_rewrites(c, entry)
     if groups and not groups[0]["before_kept"]:
         out.append("<p class=note>The trace before the passes was not kept (compiled with "

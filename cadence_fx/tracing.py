@@ -90,7 +90,9 @@ def module_state_tensors(module: torch.nn.Module, depth: int = 3) -> Dict[str, t
             elif isinstance(value, (list, tuple)):
                 items = enumerate(value)
             elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-                items = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+                # its fields, and what ``__post_init__`` sets (Moshi's ``State.exec_mask``)
+                items = (list(vars(value).items()) if hasattr(value, "__dict__")
+                         else [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)])
             else:
                 return
             for key, item in items:

@@ -4,6 +4,7 @@ reuse it; corrupt, truncated and foreign entries are reported and traced again; 
 at once leave a valid cache; ``cadence-fx cache ls|clear``; the environment variable and the
 torch.compile backend's option. Every stream compares each call with the stock module
 (``torch.equal``) and asserts what was traced and what was loaded."""
+import copy
 import dataclasses
 import json
 import os
@@ -45,20 +46,57 @@ def _stream(model, adapter=PROMPT_RETAINED_ADAPTER, **kw):
     return compiled
 
 
-def _entries(d):
-    return sorted(Path(d).glob("*/*.trace"))
+def _entries(d, kind="trace"):
+    """The cache's entries of one kind: ``trace`` (the traced graph) or ``class`` (compiled)."""
+    return sorted(Path(d).glob(f"*/*.{kind}"))
+
+
+def _loads(c):
+    return (c.counters.traces, c.counters.cache_loads, c.counters.compiled_loads)
 
 
 def test_a_second_step_loads_every_class_instead_of_tracing(tmp_path):
     first = _stream(PromptRetainedToy(), cache_dir=tmp_path)
     n = len(first.classes)
-    assert (first.counters.traces, first.counters.cache_loads) == (n, 0) and n == 4
-    assert len(_entries(tmp_path)) == n
+    assert _loads(first) == (n, 0, 0) and n == 4
+    assert len(_entries(tmp_path)) == len(_entries(tmp_path, "class")) == n
     second = _stream(PromptRetainedToy(), cache_dir=tmp_path)
-    assert (second.counters.traces, second.counters.cache_loads) == (0, n)
-    # the loaded classes were rewritten like traced ones
-    kinds = lambda c: sorted(w["kind"] for e in c.classes.values() for w in e.records["rewrites"])  # noqa: E731
-    assert kinds(first) == kinds(second) and "retention" in kinds(second)
+    assert _loads(second) == (0, n, n)
+    # the loaded classes are the compiled ones: same rewrites, pieces and generated code
+    for key, entry in second.classes.items():
+        was = first.classes[key]
+        assert entry.records["rewrites"] == was.records["rewrites"]
+        assert entry.records["pieces"] == was.records["pieces"]
+        assert entry.gm.code == was.gm.code
+        assert entry.traced_nodes == was.traced_nodes > 0 and entry.records["probe_s"] == 0.0
+    assert "retention" in str([e.records["rewrites"] for e in second.classes.values()])
+
+
+def test_a_loaded_class_runs_no_trace_no_pass_and_no_probe(tmp_path, monkeypatch):
+    """What a restart skips: with tracing, the pass pipeline and the probationary call broken,
+    every class still loads and streams bit-exact (``_stream`` compares each call)."""
+    _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    from cadence_fx import class_compiler
+
+    def broken(*args, **kwargs):
+        raise AssertionError("a loaded class ran this")
+    for name in ("trace_step", "run_pipeline", "probe_effects"):
+        monkeypatch.setattr(class_compiler, name, broken)
+    c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    assert _loads(c) == (0, 4, 4)
+    assert c.counters.guarded_eager > 0      # the loaded pieces ran behind their guards
+
+
+def test_a_class_whose_trace_alone_is_cached_runs_the_passes_again(tmp_path):
+    """Without its compiled entry (e.g. a class that could not be stored in that form), the
+    trace is loaded and the passes and the probe run on it."""
+    _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    for f in _entries(tmp_path, "class"):
+        f.unlink()
+    c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    assert _loads(c) == (0, 4, 0)
+    assert len(_entries(tmp_path, "class")) == 4          # stored compiled again
+    assert _loads(_stream(PromptRetainedToy(), cache_dir=tmp_path)) == (0, 4, 4)
 
 
 def test_a_restarted_process_loads_the_cache(tmp_path):
@@ -67,11 +105,11 @@ def test_a_restarted_process_loads_the_cache(tmp_path):
         from test_compile_cache import _stream
         from cadence_fx.models.toy import PromptRetainedToy
         c = _stream(PromptRetainedToy(), cache_dir={str(tmp_path)!r})
-        print(c.counters.traces, c.counters.cache_loads)
+        print(c.counters.traces, c.counters.cache_loads, c.counters.compiled_loads)
     """)
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
             for _ in range(2)]
-    assert [r.stdout.split() for r in runs] == [["4", "0"], ["0", "4"]]
+    assert [r.stdout.split() for r in runs] == [["4", "0", "0"], ["0", "4", "4"]]
     assert "cadence_fx compile cache" not in runs[1].stderr
 
 
@@ -82,7 +120,7 @@ def test_new_weights_reuse_the_cache_and_give_their_own_results(tmp_path):
         for p in other.parameters():
             p.add_(0.5)
     c = _stream(other, cache_dir=tmp_path)      # compared with the new weights' stock results
-    assert (c.counters.traces, c.counters.cache_loads) == (0, 4)
+    assert _loads(c) == (0, 4, 4)
 
 
 def test_what_changes_a_trace_changes_the_key(tmp_path, monkeypatch):
@@ -99,29 +137,54 @@ def test_what_changes_a_trace_changes_the_key(tmp_path, monkeypatch):
     assert len({p.parent for p in _entries(tmp_path)}) == 4   # one step directory per key
 
 
-@pytest.mark.parametrize("damage,why", [
+DAMAGE = [
     (lambda b: b[:-100], "truncated or corrupt"),
     (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "truncated or corrupt"),
     (lambda b: b"garbage\n" + b, "not a cadence_fx cache entry"),
-])
-def test_a_damaged_entry_is_reported_traced_again_and_rewritten(tmp_path, damage, why):
+    (lambda b: b"[1]\n" + b, "not a cadence_fx cache entry"),
+]
+
+
+@pytest.mark.parametrize("damage,why", DAMAGE)
+def test_a_damaged_compiled_entry_is_reported_loaded_from_its_trace_and_rewritten(
+        tmp_path, damage, why):
     _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    victim = _entries(tmp_path, "class")[0]
+    victim.write_bytes(damage(victim.read_bytes()))
+    with pytest.warns(RuntimeWarning, match=why):
+        c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    assert _loads(c) == (0, 4, 3)                 # that class ran its passes on its trace
+    again = _stream(PromptRetainedToy(), cache_dir=tmp_path)   # the entry was rewritten
+    assert _loads(again) == (0, 4, 4)
+
+
+@pytest.mark.parametrize("damage,why", DAMAGE)
+def test_a_damaged_trace_is_reported_traced_again_and_rewritten(tmp_path, damage, why):
+    _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    for f in _entries(tmp_path, "class"):      # the trace is read only without a compiled entry
+        f.unlink()
     victim = _entries(tmp_path)[0]
     victim.write_bytes(damage(victim.read_bytes()))
     with pytest.warns(RuntimeWarning, match=why):
         c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
-    assert (c.counters.traces, c.counters.cache_loads) == (1, 3)
+    assert _loads(c) == (1, 3, 0)
+    for f in _entries(tmp_path, "class"):
+        f.unlink()
     again = _stream(PromptRetainedToy(), cache_dir=tmp_path)   # the entry was rewritten
-    assert (again.counters.traces, again.counters.cache_loads) == (0, 4)
+    assert _loads(again) == (0, 4, 0)
 
 
-def test_a_foreign_entry_is_not_loaded(tmp_path):
+@pytest.mark.parametrize("kind", ["class", "trace"])
+def test_a_foreign_entry_is_not_loaded(tmp_path, kind):
     _stream(PromptRetainedToy(), cache_dir=tmp_path)
-    a, b = _entries(tmp_path)[:2]
+    if kind == "trace":
+        for f in _entries(tmp_path, "class"):
+            f.unlink()
+    a, b = _entries(tmp_path, kind)[:2]
     b.write_bytes(a.read_bytes())               # another class's entry under this class's name
     with pytest.warns(RuntimeWarning, match="foreign entry"):
         c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
-    assert (c.counters.traces, c.counters.cache_loads) == (1, 3)
+    assert _loads(c) == ((0, 4, 3) if kind == "class" else (1, 3, 0))
 
 
 def test_processes_writing_at_once_leave_a_valid_cache(tmp_path):
@@ -133,9 +196,10 @@ def test_processes_writing_at_once_leave_a_valid_cache(tmp_path):
     """)
     procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(3)]
     assert [p.wait() for p in procs] == [0, 0, 0]
-    assert len(_entries(tmp_path)) == 4 and not list(Path(tmp_path).glob("*/*.tmp"))
+    assert len(_entries(tmp_path)) == len(_entries(tmp_path, "class")) == 4
+    assert not list(Path(tmp_path).glob("*/*.tmp"))
     c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
-    assert (c.counters.traces, c.counters.cache_loads) == (0, 4)
+    assert _loads(c) == (0, 4, 4)
 
 
 def test_the_environment_variable_names_the_cache(tmp_path, monkeypatch):
@@ -227,7 +291,7 @@ def test_a_restarted_conformer_server_loads_every_class_through_its_lifecycle(tm
     n = len(first.classes)
     assert (first.counters.traces, first.counters.cache_loads, n) == (n, 0, 6)
     restarted = served()
-    assert (restarted.counters.traces, restarted.counters.cache_loads) == (0, n)
+    assert _loads(restarted) == (0, n, n)       # the priming class too: it makes the carries
     state = prime(restarted, 1)
     before = clone_state(state)
     (x,) = chunk_feats([8], seed=9)
@@ -243,3 +307,113 @@ def test_a_restarted_conformer_server_loads_every_class_through_its_lifecycle(tm
     # inference mode is part of the class: that one class is new, traced once and cached
     assert (restarted.counters.traces, restarted.counters.fallbacks) == (1, 0)
     assert len(_entries(tmp_path)) == n + 1
+
+
+# -- what a compiled entry keeps of the module: state by path, constants by value -------------
+SHIFT = torch.tensor([0.25])        # a tensor the step reads that is neither module state nor a literal
+
+
+class CountingToy(PromptRetainedToy):
+    """Streaming state in a plain tensor attribute, written in place by the step."""
+
+    def __init__(self):
+        super().__init__()
+        self.frames_seen = torch.zeros(())
+
+    def forward(self, x, cache=None):
+        y, cache = super().forward(x, cache)
+        self.frames_seen.add_(x.shape[1])
+        return y * (1 + self.frames_seen / 100), cache
+
+
+class GlobalShiftToy(PromptRetainedToy):
+    def forward(self, x, cache=None):
+        y, cache = super().forward(x, cache)
+        return y + SHIFT, cache
+
+
+class LazyScaleToy(PromptRetainedToy):
+    """Registers a buffer on its first call, as Mimi does its codebook cache."""
+
+    def forward(self, x, cache=None):
+        if "scale" not in self._buffers:
+            self.register_buffer("scale", torch.full((x.shape[-1],), 0.5), persistent=False)
+        y, cache = super().forward(x, cache)
+        return y * self.scale, cache
+
+
+def _stream_against(model, stock, **kw):
+    """Like ``_stream``, against a separate stock module (the step writes its own module)."""
+    compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER, **kw)
+    g = torch.Generator().manual_seed(5)
+    state = ref = _prompt(copy.deepcopy(stock))
+    for w in WIDTHS:
+        x = torch.randn(1, w, 64, generator=g)
+        with torch.no_grad():
+            y, state = compiled(x, state)
+            want, ref = stock(x, {k: v.clone() for k, v in ref.items()})
+        assert torch.equal(y, want) and all(torch.equal(state[k], ref[k]) for k in ref)
+    assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (len(WIDTHS), 0)
+    return compiled
+
+
+@pytest.mark.parametrize("kind", ["class", "trace"])
+def test_module_state_is_bound_to_the_live_module_on_load(tmp_path, kind):
+    """A loaded class (compiled, or its trace) writes the module's own ``frames_seen``, not a
+    copy stored with it: a restarted server's module advances exactly as stock's does."""
+    first = CountingToy()
+    _stream_against(first, copy.deepcopy(first), cache_dir=tmp_path)
+    if kind == "trace":
+        for f in _entries(tmp_path, "class"):
+            f.unlink()
+    restarted, stock = CountingToy(), CountingToy()
+    c = _stream_against(restarted, stock, cache_dir=tmp_path)
+    assert _loads(c) == (0, 4, 4 if kind == "class" else 0)
+    assert restarted.frames_seen.item() == stock.frames_seen.item() == sum(WIDTHS)
+    if kind == "trace":
+        return
+    entry = next(iter(c.classes.values()))
+    written = [t for m in entry.gm.modules() for t in getattr(m, "written_attributes", ())]
+    assert written and all(getattr(m, t) is restarted.frames_seen
+                           for m in entry.gm.modules() for t in getattr(m, "written_attributes", ()))
+
+
+def test_a_class_reading_a_foreign_tensor_is_not_cached(tmp_path, caplog):
+    """A tensor the code reads that is neither a constant nor module state cannot be found again
+    by a later process, whose value may differ: the class is not stored in either form, with the
+    reason in the log, and a restart compiles it."""
+    import logging
+    with caplog.at_level(logging.INFO, logger="cadence_fx"):
+        _stream(GlobalShiftToy(), cache_dir=tmp_path)
+    assert "neither a constant nor module state" in caplog.text
+    assert (len(_entries(tmp_path)), len(_entries(tmp_path, "class"))) == (0, 0)
+    assert _loads(_stream(GlobalShiftToy(), cache_dir=tmp_path)) == (4, 0, 0)
+
+
+def test_state_the_module_registers_on_its_first_call_is_compiled_for(tmp_path):
+    """The first class is traced before the stock call registers ``scale``; the later ones read
+    it. Restarted, the first loads compiled (no stock call), so the module has no ``scale`` when
+    the second loads: that one runs the probationary call (which registers it) and its passes."""
+    first = LazyScaleToy()
+    _stream_against(first, copy.deepcopy(first), cache_dir=tmp_path)
+    restarted = LazyScaleToy()
+    c = _stream_against(restarted, copy.deepcopy(restarted), cache_dir=tmp_path)
+    assert _loads(c) == (0, 4, 3) and "scale" in dict(restarted.named_buffers())
+
+
+def test_another_pythons_bytecode_compiles_the_stored_source(tmp_path, monkeypatch):
+    _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    from cadence_fx import stored_class
+    monkeypatch.setattr(stored_class, "MAGIC", b"\x00\x00\r\n")
+    c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    assert _loads(c) == (0, 4, 4)
+
+
+def test_the_report_of_a_loaded_step(tmp_path):
+    _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    report = c.report()
+    rows = report.classes()
+    assert len(rows) == 4 and all(r["traced_nodes"] > 0 and r["pieces"] for r in rows)
+    assert any("piece_0" in line for line in report.graph_lines(0))
+    assert "piece_0" in report._repr_html_()

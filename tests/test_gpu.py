@@ -431,3 +431,60 @@ def test_real_cfm_primes_new_speakers_through_the_compiled_step_with_released_en
     assert c.released_bytes >= 16 * 16 * 2 * 8 * 1000 * 128 * 4 and c.restored_bytes == 0
     assert ((None, None), 302) in {key[0] for key in compiled.classes}
     assert c.carry_addresses == 1
+
+
+def test_a_restarted_step_loads_compiled_captures_and_replays_bit_exact(tmp_path):
+    """The compile cache on CUDA: a second compiled step (a restart) loads every class compiled
+    -- no trace, no passes, no probationary call -- captures it on first use and replays every
+    call bit-exact, the carry at one address."""
+    model, prompt_state, xs = _toy()
+    stock, _, _ = _stream(model, prompt_state, xs)
+    first = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER, cache_dir=tmp_path)
+    assert _equal(stock, _stream(first, prompt_state, xs)[0]) and first.counters.traces == 4
+    restarted = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER, cache_dir=tmp_path)
+    ours, addresses, _ = _stream(restarted, prompt_state, xs)
+    assert _equal(stock, ours)
+    c = restarted.counters
+    assert (c.traces, c.cache_loads, c.compiled_loads) == (0, 4, 4)
+    assert (c.replays, c.fallbacks, len(addresses)) == (len(xs), 0, 1)
+    assert restarted.backend.captured == 4
+
+
+def test_a_restarted_moshi_frame_loads_compiled_and_replays_bit_exact(tmp_path):
+    """Real Mimi + LMGen (2-layer LM) on CUDA, restarted on a filled cache: new modules with the
+    same weights, every frame class loaded compiled with its streaming state bound to the new
+    modules, one graph launch per frame, bit-exact against the stock loop."""
+    require(*MOSHI)
+    from cadence_fx.models import moshi as M
+    g = torch.Generator().manual_seed(3)
+    frames = [(0.1 * torch.randn(1, 1, 1920, generator=g)).to(DEV) for _ in range(10)]
+
+    def serve():
+        mimi = M.build_mimi(device=DEV)
+        lm_gen = M.build_lm_gen(device=DEV, seed=1, overrides=M.SMALL_LM, dtype=torch.float32)
+        torch.manual_seed(5)
+        torch.cuda.manual_seed(5)
+        stock = M.stock_stream(mimi, lm_gen, frames, reset_at=5)
+        step = M.MoshiStep(mimi, lm_gen)
+        compiled = cadence_fx.compile(step, M.moshi_adapter(M.SMALL_LM), cache_dir=tmp_path)
+        torch.manual_seed(5)
+        torch.cuda.manual_seed(5)
+        state, ours = step.initial_state(), []
+        for i, frame in enumerate(frames):
+            if i == 5:
+                state = step.initial_state()
+            with torch.no_grad():
+                pcm, tokens, state = compiled(frame, state)
+            ours.append((None if pcm is None else pcm.clone(),
+                         None if tokens is None else tokens.clone()))
+        same = [all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                    for a, b in zip(s, o)) for s, o in zip(stock, ours)]
+        assert same == [True] * 10
+        step.close()
+        return compiled.counters
+
+    first = serve()
+    assert (first.traces, first.cache_loads) == (3, 0)
+    k = serve()
+    assert (k.traces, k.cache_loads, k.compiled_loads) == (0, 3, 3)
+    assert (k.compiled_calls, k.fallbacks, k.eager_pieces, k.replays) == (10, 0, 0, 10)

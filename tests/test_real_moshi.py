@@ -149,3 +149,30 @@ def test_state_missing_an_entry_is_refused_with_the_fix():
     del state["mimi_conv_in"]
     with pytest.raises(KeyError, match="start from initial_state"):
         step(torch.zeros(1, 1, 1920), state)
+
+
+def test_a_restarted_moshi_server_loads_every_frame_class_compiled(tmp_path):
+    """Restart: new modules (same weights) and a new step on the cache directory the first
+    process filled. Every frame class loads compiled -- the LM and Mimi streaming state the
+    graphs read and write is module state, bound to the new modules by its path -- and the
+    stream is bit-exact against the stock loop, sampling and a turn reset included."""
+    frames = _frames(8)
+
+    def serve():
+        mimi = M.build_mimi(seed=0)
+        lm_gen = M.build_lm_gen(seed=1, overrides=M.SMALL_LM, dtype=torch.float32)
+        torch.manual_seed(5)
+        stock = M.stock_stream(mimi, lm_gen, frames, reset_at=4)
+        step = M.MoshiStep(mimi, lm_gen)
+        compiled = cadence_fx.compile(step, M.moshi_adapter(M.SMALL_LM), cache_dir=tmp_path)
+        ours, _ = _run(compiled, step.initial_state, frames, reset_at=4)
+        assert [_same(s[0], o[0]) and _same(s[1], o[1]) for s, o in zip(stock, ours)] == [True] * 8
+        k = compiled.counters
+        assert (k.compiled_calls, k.fallbacks) == (8, 0)
+        step.close()
+        return k
+
+    first = serve()
+    assert (first.traces, first.cache_loads) == (3, 0)
+    restarted = serve()
+    assert (restarted.traces, restarted.cache_loads, restarted.compiled_loads) == (0, 3, 3)
