@@ -4,17 +4,18 @@
 
 Each run is a fresh process that builds the demo's stream of ``--model`` (``cadence_fx/demo.py``:
 the real model, a turn reset in the middle), then runs the compiled stream twice: the first pass
-meets every class of the stream and traces (cold: an empty cache directory) or loads (warm: the
-directory the cold run before it filled) each one, then rewrites, probes and captures it; the
-second pass is steady. ``compile_s`` is the first pass's wall time minus the steady pass's: what a
+meets every class of the stream and compiles it (cold: an empty cache directory; trace, passes,
+probationary call, capture) or loads it compiled (warm: the directory the cold run before it
+filled) and captures it; the second pass is steady. ``compile_s`` is the first pass's wall time minus the steady pass's: what a
 restart costs before the stream runs at full speed. Runs alternate cold, warm, cold, warm, ... so a
 drift in the host's speed touches both. Per run: ``first_pass_s``, ``steady_pass_s``,
 ``compile_s``, and the breakdown summed over the compiled steps: ``trace_s`` (tracing),
-``load_s`` (reading the cache), ``thaw_s`` (making the loaded classes' modules), ``passes_s``, ``probe_s``, ``capture_s``, with ``traces``,
+``load_s`` (reading the cache), ``thaw_s`` (making the loaded classes' modules), ``store_s``
+(writing the cache), ``passes_s``, ``probe_s``, ``capture_s``, with ``traces``,
 ``cache_loads`` and ``compiled_loads`` (classes loaded compiled: no passes, no probe), the
 ``replays`` and ``fallbacks`` of both passes, and ``exact_chunks`` per pass (chunks equal to the
-stock stream's, ``torch.equal``, out of ``chunks``). The result keeps every run and the best of each kind (``whole_cold_s``,
-``whole_warm_s``: the best ``compile_s``).
+stock stream's, ``torch.equal``, out of ``chunks``). The result keeps every run and the best of
+each kind (``whole_cold_s``, ``whole_warm_s``: the best ``compile_s``).
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def child(model: str, device: str, chunks) -> dict:
         "trace_s": sum(e.traced.seconds for s in steps for e in s.classes.values()),
         "load_s": sum(s.compile_cache.load_seconds for s in steps if s.compile_cache),
         "thaw_s": sum(r.get("load_s", 0.0) for r in records),
+        "store_s": sum(s.compile_cache.store_seconds for s in steps if s.compile_cache),
         "passes_s": sum(p["seconds"] for r in records for p in r["passes"]),
         "probe_s": sum(r.get("probe_s", 0.0) for r in records),
         "capture_s": sum(getattr(s.backend, "capture_seconds", 0.0) for s in steps),

@@ -76,6 +76,7 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
     if reason is not None:
         log.warning("class %s rejected: %s", key[0], reason)
         cs._rejected[key] = reason
+        _store_trace(cs, key)
         progress.note("%s: runs the stock step (%s)", label, reason)
         return None
     if cs.backend is None:
@@ -97,6 +98,7 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
             raise
         log.warning("class %s runs the stock step: %s", key[0], e)
         cs._rejected[key] = str(e)
+        _store_trace(cs, key)
         progress.note("%s: runs the stock step (%s)", label, e)
         return None
     # Buffers the rewritten step still writes get a private copy: the user's module is never
@@ -167,7 +169,7 @@ def _load_compiled(cs, key, named, replaced: set, label: str) -> Optional[ClassE
             shape, dtype, device = like
             cs.admission.allocate(regions[name], SimpleNamespace(
                 shape=shape, dtype=dtype, device=torch.device(device)), cs.carries)
-    entry = stored_class.thaw(cs, key, payload, label)
+    entry = ClassEntry(key=key, **stored_class.thaw(cs, payload, label))
     _keep_buffers(cs, key, entry.records, replaced, payload["replaced"], payload["private"])
     entry.records["load_s"] = time.perf_counter() - start
     cs.classes[key] = entry
@@ -183,9 +185,19 @@ def _store_compiled(cs, entry: ClassEntry, private, newly_replaced, carries) -> 
         payload = stored_class.freeze(cs, entry, private=private, replaced=list(newly_replaced),
                                       carries=carries)
     except stored_class.Unstorable as e:
-        log.info("class %s: only its trace is cached: %s", entry.key[0], e)
+        log.info("class %s is not stored compiled: %s", entry.key[0], e)
+        _store_trace(cs, entry.key)
         return
     cs.compile_cache.store_class(entry.key, payload)
+    cs._unstored.pop(entry.key, None)
+
+
+def _store_trace(cs, key) -> None:
+    """Cache the trace of a class traced in this process and not stored compiled: one that
+    cannot be, or one that runs the stock step (a restart then skips its trace)."""
+    traced = cs._unstored.pop(key, None)
+    if traced is not None and cs.compile_cache is not None:
+        cs.compile_cache.store(key, traced)
 
 
 def _label(cs, key) -> str:
@@ -198,7 +210,7 @@ def _label(cs, key) -> str:
 
 def _trace(cs, key, named) -> Optional[TracedStep]:
     """The class's aten graph: a copy of a shared trace, the persistent compile cache's, or a
-    fresh make_fx trace (then stored in both)."""
+    fresh make_fx trace (then shared, and kept for the compile cache: ``_store_trace``)."""
     cache_key = (id(cs.module), getattr(cs._fn, "__func__", cs._fn), key)
     cached = None if cs.trace_cache is None else cs.trace_cache.get(cache_key)
     if cached is not None:
@@ -224,9 +236,17 @@ def _trace(cs, key, named) -> Optional[TracedStep]:
     cs.counters.copied_calls += traced.copied_calls
     for method, why in traced.refused.items():
         log.info("class %s: %s traced at every call: %s", key[0], method, why)
+    kept = _keep(cs, cache_key, key, traced)
     if cs.compile_cache is not None:
-        cs.compile_cache.store(key, traced)
-    return _keep(cs, cache_key, key, traced)
+        # stored once the class is compiled, and only if the class itself cannot be (pickling
+        # the fake values costs about as much as tracing): a copy the passes leave untouched
+        if cs.trace_cache is not None:
+            cs._unstored[key] = cs.trace_cache[cache_key]
+        elif cs.keep_before:
+            cs._unstored[key] = cs.before[key]
+        else:
+            cs._unstored[key] = copy_traced(traced)
+    return kept
 
 
 def _keep(cs, cache_key, key, traced: TracedStep) -> TracedStep:

@@ -11,10 +11,10 @@ Two entries per class:
 * ``<class key>.trace``, the traced aten graph, pickled with torch's own
   ``torch.fx._graph_pickler.GraphPickler`` (the format torch's AOTAutograd cache uses for graphs
   whose nodes carry fake tensors: each fake value is stored as its metadata and made again in a
-  fresh ``FakeTensorMode`` on load), with the trace's input specs and result structure. It is
-  read when the compiled entry is missing or cannot be used (a class that reads state its module
-  registers on its first stock call, a damaged entry, ``verify=True``): the passes and the probe
-  then run on it, and the compiled entry is written again.
+  fresh ``FakeTensorMode`` on load), with the trace's input specs and result structure. Pickling
+  the fake values costs about as much as tracing, so it is written only for a class that cannot
+  be stored compiled (``verify=True``, a global the code cannot import) or that runs the stock
+  step; a later process runs the passes and the probe on it.
 
 Layout::
 
@@ -131,6 +131,7 @@ class CompileCache:
         self.module = cs.module
         self.loads = self.stores = 0
         self.load_seconds = 0.0
+        self.store_seconds = 0.0
 
     @staticmethod
     def class_key(key) -> str:
@@ -151,12 +152,14 @@ class CompileCache:
             self.load_seconds += time.perf_counter() - start
 
     def store_class(self, key, payload: dict) -> bool:
+        start = time.perf_counter()
         try:
             blob = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # noqa: BLE001 - the class works without its cache entry
             log.warning("class %s not cached compiled: %s: %s", key[0], type(e).__name__, e)
             return False
         self._write(self._path(key, "class"), key, blob)
+        self.store_seconds += time.perf_counter() - start
         return True
 
     # -- the trace: what a load runs the passes on, when the class itself is not stored ----------
@@ -199,6 +202,7 @@ class CompileCache:
 
     def store(self, key, traced: TracedStep) -> bool:
         """Write the class's trace; False (logged) when it cannot be stored."""
+        start = time.perf_counter()
         try:
             from torch.fx._graph_pickler import GraphPickler, Options
             fields = {f: getattr(traced, f) for f in ("inputs", "out_spec", "out_paths",
@@ -215,6 +219,7 @@ class CompileCache:
             log.warning("class %s not cached: %s: %s", key[0], type(e).__name__, e)
             return False
         self._write(self._path(key), key, payload)
+        self.store_seconds += time.perf_counter() - start
         return True
 
     # -- one entry on disk: a header line (JSON) and the pickled payload ------------------------

@@ -23,7 +23,6 @@ reason.
 """
 from __future__ import annotations
 
-import gc
 import logging
 import time
 import weakref
@@ -81,9 +80,10 @@ class CudaGraphBackend:
             else:
                 static.append(a)
         # torch.cuda.graph empties the allocator's cache as it starts capturing: do it first, so
-        # the reserved bytes below count the pool's growth, not blocks freed by that
+        # the reserved bytes below count the pool's growth, not blocks freed by that. (No
+        # gc.collect: torch's own capture dropped it as too expensive for captures in a row, and
+        # after a compile's graphs and fake tensors it takes most of a second.)
         torch.cuda.synchronize()
-        gc.collect()
         torch.cuda.empty_cache()
         allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         try:

@@ -73,6 +73,7 @@ class CompiledStep:
         self.classes: Dict[Tuple, ClassEntry] = {}
         self._private: Dict[str, torch.Tensor] = {}  # buffers the compiled path writes, copied
         self._rejected: Dict[Tuple, str] = {}   # classes that run the stock step, with the reason
+        self._unstored: Dict[Tuple, object] = {}  # traces not yet in the compile cache
         self._warned: set = set()               # declarations that did not match, warned once
         self._params = dict(module.named_parameters())
         self._buffers = dict(module.named_buffers())

@@ -149,10 +149,9 @@ def _state_paths(m: dict):
         yield from _state_paths(child["module"])
 
 
-def thaw(cs, key, payload: dict, label: str):
-    """The ``ClassEntry`` stored in ``payload``, its runtime parts made for ``cs``: the guarded
-    pieces on ``cs``'s backend and counters, attributes bound to ``cs.module``."""
-    from .class_compiler import ClassEntry
+def thaw(cs, payload: dict, label: str) -> dict:
+    """The fields of the ``ClassEntry`` stored in ``payload``, its runtime parts made for ``cs``:
+    the guarded pieces on ``cs``'s backend and counters, attributes bound to ``cs.module``."""
     state = module_state_tensors(cs.module)
     gm = _thaw_module(cs, payload["module"], state, label)
     t = payload["traced"]
@@ -164,10 +163,9 @@ def thaw(cs, key, payload: dict, label: str):
     records = dict(payload["records"])
     records["passes"] = [dict(p, seconds=0.0) for p in records["passes"]]   # none ran here
     records["probe_s"] = 0.0
-    return ClassEntry(key=key, gm=gm, inputs=list(payload["inputs"]), traced=traced,
-                      records=records, out_regions=payload["out_regions"],
-                      writes=payload["writes"], retentions=payload["retentions"],
-                      traced_nodes=payload["traced_nodes"])
+    return dict(gm=gm, inputs=list(payload["inputs"]), traced=traced, records=records,
+                out_regions=payload["out_regions"], writes=payload["writes"],
+                retentions=payload["retentions"], traced_nodes=payload["traced_nodes"])
 
 
 def _thaw_module(cs, m: dict, state: Dict[str, torch.Tensor], label: str) -> CodeModule:

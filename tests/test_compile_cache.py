@@ -46,8 +46,9 @@ def _stream(model, adapter=PROMPT_RETAINED_ADAPTER, **kw):
     return compiled
 
 
-def _entries(d, kind="trace"):
-    """The cache's entries of one kind: ``trace`` (the traced graph) or ``class`` (compiled)."""
+def _entries(d, kind="class"):
+    """The cache's entries of one kind: ``class`` (compiled) or ``trace`` (the traced graph,
+    stored only for a class that cannot be stored compiled, e.g. under ``verify=True``)."""
     return sorted(Path(d).glob(f"*/*.{kind}"))
 
 
@@ -59,7 +60,7 @@ def test_a_second_step_loads_every_class_instead_of_tracing(tmp_path):
     first = _stream(PromptRetainedToy(), cache_dir=tmp_path)
     n = len(first.classes)
     assert _loads(first) == (n, 0, 0) and n == 4
-    assert len(_entries(tmp_path)) == len(_entries(tmp_path, "class")) == n
+    assert (len(_entries(tmp_path)), len(_entries(tmp_path, "trace"))) == (n, 0)
     second = _stream(PromptRetainedToy(), cache_dir=tmp_path)
     assert _loads(second) == (0, n, n)
     # the loaded classes are the compiled ones: same rewrites, pieces and generated code
@@ -88,15 +89,21 @@ def test_a_loaded_class_runs_no_trace_no_pass_and_no_probe(tmp_path, monkeypatch
 
 
 def test_a_class_whose_trace_alone_is_cached_runs_the_passes_again(tmp_path):
-    """Without its compiled entry (e.g. a class that could not be stored in that form), the
-    trace is loaded and the passes and the probe run on it."""
-    _stream(PromptRetainedToy(), cache_dir=tmp_path)
-    for f in _entries(tmp_path, "class"):
-        f.unlink()
+    """A class that cannot be stored compiled (here: the shadow auditor is in its graph) caches
+    its trace. A later step loads the trace, runs the passes and the probe on it, and stores the
+    class compiled; the next loads that."""
+    _stream(PromptRetainedToy(), cache_dir=tmp_path, verify=True)
+    assert (len(_entries(tmp_path)), len(_entries(tmp_path, "trace"))) == (0, 4)
     c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
     assert _loads(c) == (0, 4, 0)
-    assert len(_entries(tmp_path, "class")) == 4          # stored compiled again
+    assert len(_entries(tmp_path)) == 4
     assert _loads(_stream(PromptRetainedToy(), cache_dir=tmp_path)) == (0, 4, 4)
+
+
+def _traces_only(d):
+    """Fill ``d`` with traces only (a step compiled with the shadow auditor)."""
+    _stream(PromptRetainedToy(), cache_dir=d, verify=True)
+    assert (len(_entries(d)), len(_entries(d, "trace"))) == (0, 4)
 
 
 def test_a_restarted_process_loads_the_cache(tmp_path):
@@ -146,45 +153,40 @@ DAMAGE = [
 
 
 @pytest.mark.parametrize("damage,why", DAMAGE)
-def test_a_damaged_compiled_entry_is_reported_loaded_from_its_trace_and_rewritten(
-        tmp_path, damage, why):
+def test_a_damaged_compiled_entry_is_reported_compiled_again_and_rewritten(tmp_path, damage, why):
     _stream(PromptRetainedToy(), cache_dir=tmp_path)
-    victim = _entries(tmp_path, "class")[0]
+    victim = _entries(tmp_path)[0]
     victim.write_bytes(damage(victim.read_bytes()))
     with pytest.warns(RuntimeWarning, match=why):
         c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
-    assert _loads(c) == (0, 4, 3)                 # that class ran its passes on its trace
+    assert _loads(c) == (1, 3, 3)                 # that class was traced again
     again = _stream(PromptRetainedToy(), cache_dir=tmp_path)   # the entry was rewritten
     assert _loads(again) == (0, 4, 4)
 
 
 @pytest.mark.parametrize("damage,why", DAMAGE)
 def test_a_damaged_trace_is_reported_traced_again_and_rewritten(tmp_path, damage, why):
-    _stream(PromptRetainedToy(), cache_dir=tmp_path)
-    for f in _entries(tmp_path, "class"):      # the trace is read only without a compiled entry
-        f.unlink()
-    victim = _entries(tmp_path)[0]
+    _traces_only(tmp_path)
+    victim = _entries(tmp_path, "trace")[0]
     victim.write_bytes(damage(victim.read_bytes()))
     with pytest.warns(RuntimeWarning, match=why):
-        c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+        c = _stream(PromptRetainedToy(), cache_dir=tmp_path, verify=True)
     assert _loads(c) == (1, 3, 0)
-    for f in _entries(tmp_path, "class"):
-        f.unlink()
-    again = _stream(PromptRetainedToy(), cache_dir=tmp_path)   # the entry was rewritten
+    again = _stream(PromptRetainedToy(), cache_dir=tmp_path, verify=True)   # rewritten
     assert _loads(again) == (0, 4, 0)
 
 
 @pytest.mark.parametrize("kind", ["class", "trace"])
 def test_a_foreign_entry_is_not_loaded(tmp_path, kind):
-    _stream(PromptRetainedToy(), cache_dir=tmp_path)
     if kind == "trace":
-        for f in _entries(tmp_path, "class"):
-            f.unlink()
+        _traces_only(tmp_path)
+    else:
+        _stream(PromptRetainedToy(), cache_dir=tmp_path)
     a, b = _entries(tmp_path, kind)[:2]
     b.write_bytes(a.read_bytes())               # another class's entry under this class's name
     with pytest.warns(RuntimeWarning, match="foreign entry"):
         c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
-    assert _loads(c) == ((0, 4, 3) if kind == "class" else (1, 3, 0))
+    assert _loads(c) == ((1, 3, 3) if kind == "class" else (1, 3, 0))
 
 
 def test_processes_writing_at_once_leave_a_valid_cache(tmp_path):
@@ -196,7 +198,7 @@ def test_processes_writing_at_once_leave_a_valid_cache(tmp_path):
     """)
     procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(3)]
     assert [p.wait() for p in procs] == [0, 0, 0]
-    assert len(_entries(tmp_path)) == len(_entries(tmp_path, "class")) == 4
+    assert (len(_entries(tmp_path)), len(_entries(tmp_path, "trace"))) == (4, 0)
     assert not list(Path(tmp_path).glob("*/*.tmp"))
     c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
     assert _loads(c) == (0, 4, 4)
@@ -362,10 +364,8 @@ def test_module_state_is_bound_to_the_live_module_on_load(tmp_path, kind):
     """A loaded class (compiled, or its trace) writes the module's own ``frames_seen``, not a
     copy stored with it: a restarted server's module advances exactly as stock's does."""
     first = CountingToy()
-    _stream_against(first, copy.deepcopy(first), cache_dir=tmp_path)
-    if kind == "trace":
-        for f in _entries(tmp_path, "class"):
-            f.unlink()
+    _stream_against(first, copy.deepcopy(first), cache_dir=tmp_path, verify=kind == "trace")
+    assert len(_entries(tmp_path, kind)) == 4
     restarted, stock = CountingToy(), CountingToy()
     c = _stream_against(restarted, stock, cache_dir=tmp_path)
     assert _loads(c) == (0, 4, 4 if kind == "class" else 0)
@@ -386,19 +386,19 @@ def test_a_class_reading_a_foreign_tensor_is_not_cached(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="cadence_fx"):
         _stream(GlobalShiftToy(), cache_dir=tmp_path)
     assert "neither a constant nor module state" in caplog.text
-    assert (len(_entries(tmp_path)), len(_entries(tmp_path, "class"))) == (0, 0)
+    assert (len(_entries(tmp_path)), len(_entries(tmp_path, "trace"))) == (0, 0)
     assert _loads(_stream(GlobalShiftToy(), cache_dir=tmp_path)) == (4, 0, 0)
 
 
 def test_state_the_module_registers_on_its_first_call_is_compiled_for(tmp_path):
     """The first class is traced before the stock call registers ``scale``; the later ones read
     it. Restarted, the first loads compiled (no stock call), so the module has no ``scale`` when
-    the second loads: that one runs the probationary call (which registers it) and its passes."""
+    the second would load: that one is compiled instead, its probationary call registering it."""
     first = LazyScaleToy()
     _stream_against(first, copy.deepcopy(first), cache_dir=tmp_path)
     restarted = LazyScaleToy()
     c = _stream_against(restarted, copy.deepcopy(restarted), cache_dir=tmp_path)
-    assert _loads(c) == (0, 4, 3) and "scale" in dict(restarted.named_buffers())
+    assert _loads(c) == (1, 3, 3) and "scale" in dict(restarted.named_buffers())
 
 
 def test_another_pythons_bytecode_compiles_the_stored_source(tmp_path, monkeypatch):
