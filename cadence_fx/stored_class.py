@@ -41,6 +41,9 @@ from .tracing import TracedStep, module_state_tensors
 __all__ = ["CodeModule", "Unstorable", "attributes", "freeze", "thaw"]
 
 MAGIC = importlib.util.MAGIC_NUMBER    # this Python's bytecode format
+# constants the passes make, computed once: hoisted subgraphs, and the device copy of a masked
+# write's literal value (``mask_writes``)
+PASS_CONSTANTS = ("_cadence_const_", "_cadence_mask_value_")
 
 
 class Unstorable(Exception):
@@ -126,7 +129,7 @@ def _freeze_attr(node, value, state: Dict[int, str]) -> tuple:
         return ("state", state[id(value)])
     literal = bool(node.users) and all(u.target is torch.ops.aten.lift_fresh_copy.default
                                        for u in node.users)
-    if node.target.startswith("_cadence_const_") or literal:
+    if node.target.startswith(PASS_CONSTANTS) or literal:
         return ("value", value.detach())
     raise Unstorable(f"attribute {node.target} is a tensor that is neither a constant nor module "
                      "state the compiled module can find again")

@@ -417,3 +417,26 @@ def test_the_report_of_a_loaded_step(tmp_path):
     assert len(rows) == 4 and all(r["traced_nodes"] > 0 and r["pieces"] for r in rows)
     assert any("piece_0" in line for line in report.graph_lines(0))
     assert "piece_0" in report._repr_html_()
+
+
+def test_what_the_code_reads_is_stored_by_value_by_path_or_not_at_all():
+    """The rule ``stored_class.attributes`` applies to each ``get_attr``: the passes' constants
+    and tensor literals by value, module state by its path, anything else refused."""
+    from cadence_fx.stored_class import Unstorable, attributes
+    root = torch.nn.Module()
+    names = ("_cadence_const_0", "_cadence_mask_value_0_index_put_", "_tensor_constant0", "state")
+    for name in names:
+        setattr(root, name, torch.zeros(2))
+    graph = torch.fx.Graph()
+    nodes = {name: graph.get_attr(name) for name in names}
+    lift = graph.call_function(torch.ops.aten.lift_fresh_copy.default, (nodes["_tensor_constant0"],))
+    graph.output((nodes["_cadence_const_0"], nodes["_cadence_mask_value_0_index_put_"], lift,
+                  nodes["state"]))
+    gm = torch.fx.GraphModule(root, graph)
+    kinds = attributes(gm, {id(root.state): "layer.cache"})
+    assert {k: v[0] for k, v in kinds.items()} == {
+        "_cadence_const_0": "value", "_cadence_mask_value_0_index_put_": "value",
+        "_tensor_constant0": "value", "state": "state"}
+    assert kinds["state"][1] == "layer.cache"
+    with pytest.raises(Unstorable, match="attribute state is a tensor that is neither"):
+        attributes(gm, {})
