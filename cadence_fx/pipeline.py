@@ -1,9 +1,9 @@
 """The pass pipeline: an explicit list built from options, run by a small manager.
 
 Order matters and is fixed: constants first (so host work leaves the graph before partitioning),
-the carry pass next (it introduces the in-place writes), masked writes as selects (so they need
-not split the graph), then the shape-enumeration partition, and the lowering last (it is the only
-pass that adds runtime state). One flag per pass.
+host-side checks on those constants made once, the carry pass next (it introduces the in-place
+writes), masked writes as selects (so they need not split the graph), then the shape-enumeration
+partition, and the lowering last (it is the only pass that adds runtime state). One flag per pass.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ class PassFailed(CadenceError):
 @dataclasses.dataclass(frozen=True)
 class Options:
     constants: bool = True     # hoist input-independent subgraphs (device-resident constants)
+    host_checks: bool = True   # host-side checks on constants made once (istft's window check)
     state_rule: bool = True    # the carry pass: retention as in-place writes on fixed storage
     mask_writes: bool = True   # x[mask] = v as a select on the device, not nonzero on the host
     partition: bool = True     # shape enumeration: capturable vs eager pieces
@@ -48,6 +49,8 @@ def build_pipeline(options: Options) -> List[Tuple[str, Callable]]:
     pipeline = []
     if options.constants:
         pipeline.append(("hoist_constants", passes.hoist_constants))
+        if options.host_checks:   # reads the constants hoisted
+            pipeline.append(("host_checks", passes.host_checks))
     if options.state_rule:
         pipeline.append(("carry_retention", passes.carry_retention))
     if options.mask_writes:
