@@ -169,7 +169,12 @@ def _load_compiled(cs, key, named, replaced: set, label: str) -> Optional[ClassE
             shape, dtype, device = like
             cs.admission.allocate(regions[name], SimpleNamespace(
                 shape=shape, dtype=dtype, device=torch.device(device)), cs.carries)
-    entry = ClassEntry(key=key, **stored_class.thaw(cs, payload, label))
+    try:
+        entry = ClassEntry(key=key, **stored_class.thaw(cs, payload, label))
+    except Exception as e:  # noqa: BLE001 - a cache entry must never break a compile
+        cs.compile_cache.unusable(cs.compile_cache.path(key, "class"),
+                                  f"not loadable here ({type(e).__name__}: {e})")
+        return None
     _keep_buffers(cs, key, entry.records, replaced, payload["replaced"], payload["private"])
     entry.records["load_s"] = time.perf_counter() - start
     cs.classes[key] = entry

@@ -137,7 +137,7 @@ class CompileCache:
     def class_key(key) -> str:
         return _digest(repr(key))
 
-    def _path(self, key, kind: str = "trace") -> Path:
+    def path(self, key, kind: str = "trace") -> Path:
         return self.dir / f"{self.class_key(key)[:24]}.{kind}"
 
     # -- the compiled class (``stored_class``): what a load runs from, skipping the passes --------
@@ -146,8 +146,8 @@ class CompileCache:
         with a warning)."""
         start = time.perf_counter()
         try:
-            payload = self._read(self._path(key, "class"), key)
-            return None if payload is None else self._unpickle(self._path(key, "class"), payload)
+            payload = self._read(self.path(key, "class"), key)
+            return None if payload is None else self._unpickle(self.path(key, "class"), payload)
         finally:
             self.load_seconds += time.perf_counter() - start
 
@@ -158,7 +158,7 @@ class CompileCache:
         except Exception as e:  # noqa: BLE001 - the class works without its cache entry
             log.warning("class %s not cached compiled: %s: %s", key[0], type(e).__name__, e)
             return False
-        self._write(self._path(key, "class"), key, blob)
+        self._write(self.path(key, "class"), key, blob)
         self.store_seconds += time.perf_counter() - start
         return True
 
@@ -172,7 +172,7 @@ class CompileCache:
             self.load_seconds += time.perf_counter() - start
 
     def _load(self, key) -> Optional[TracedStep]:
-        path = self._path(key)
+        path = self.path(key)
         payload = self._read(path, key)
         if payload is None:
             return None
@@ -185,18 +185,18 @@ class CompileCache:
             gm = GraphPickler.loads(fields.pop("gm"), FakeTensorMode())
             # module state the graph reads and writes is the live module's, not a stored copy
             live = module_state_tensors(self.module)
-            missing = [path for path in fields["state_attrs"].values() if path not in live]
+            missing = [where for where in fields["state_attrs"].values() if where not in live]
             if missing:
                 log.info("class %s: its trace reads module state the module does not have (%s); "
                          "traced again", key[0], ", ".join(missing[:3]))
                 return None
-            for target, path in fields.pop("state_attrs").items():
-                setattr(gm, target, live[path])
+            for target, where in fields.pop("state_attrs").items():
+                setattr(gm, target, live[where])
             fields["out_spec"] = pytree.treespec_loads(fields["out_spec"])
             fields["seconds"] = 0.0          # nothing traced in this process
             traced = TracedStep(gm=gm, loaded=True, **fields)
         except Exception as e:  # noqa: BLE001 - a cache entry must never break a compile
-            return self._unusable(path, f"not loadable ({type(e).__name__}: {e})")
+            return self.unusable(path, f"not loadable ({type(e).__name__}: {e})")
         self.loads += 1
         return traced
 
@@ -218,7 +218,7 @@ class CompileCache:
         except Exception as e:  # noqa: BLE001 - the class works without its cache entry
             log.warning("class %s not cached: %s: %s", key[0], type(e).__name__, e)
             return False
-        self._write(self._path(key), key, payload)
+        self._write(self.path(key), key, payload)
         self.store_seconds += time.perf_counter() - start
         return True
 
@@ -230,27 +230,27 @@ class CompileCache:
         except FileNotFoundError:
             return None
         except OSError as e:
-            return self._unusable(path, f"unreadable ({e})")
+            return self.unusable(path, f"unreadable ({e})")
         head, sep, payload = blob.partition(b"\n")
         try:
             header = json.loads(head)
         except ValueError:
-            return self._unusable(path, "not a cadence_fx cache entry (no header)")
+            return self.unusable(path, "not a cadence_fx cache entry (no header)")
         if not isinstance(header, dict):
-            return self._unusable(path, "not a cadence_fx cache entry (no header)")
+            return self.unusable(path, "not a cadence_fx cache entry (no header)")
         if not sep or header.get("format") != FORMAT:
-            return self._unusable(path, f"of another format ({header.get('format')!r})")
+            return self.unusable(path, f"of another format ({header.get('format')!r})")
         if header.get("step_key") != self.step_key or header.get("class_key") != self.class_key(key):
-            return self._unusable(path, "written for another step or class (foreign entry)")
+            return self.unusable(path, "written for another step or class (foreign entry)")
         if len(payload) != header.get("bytes") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-            return self._unusable(path, "truncated or corrupt (its digest does not match)")
+            return self.unusable(path, "truncated or corrupt (its digest does not match)")
         return payload
 
     def _unpickle(self, path: Path, payload: bytes):
         try:
             return pickle.loads(payload)
         except Exception as e:  # noqa: BLE001 - a cache entry must never break a compile
-            return self._unusable(path, f"not loadable ({type(e).__name__}: {e})")
+            return self.unusable(path, f"not loadable ({type(e).__name__}: {e})")
 
     def _write(self, path: Path, key, payload: bytes) -> None:
         header = {"format": FORMAT, "step_key": self.step_key, "class_key": self.class_key(key),
@@ -264,7 +264,7 @@ class CompileCache:
             _atomic_write(meta, json.dumps(dict(self.meta, created=created), indent=1).encode())
         self.stores += 1
 
-    def _unusable(self, path: Path, why: str) -> None:
+    def unusable(self, path: Path, why: str) -> None:
         warnings.warn(f"cadence_fx compile cache: {path} is {why}; the class is compiled again "
                       "and the entry rewritten", RuntimeWarning, stacklevel=4)
         return None

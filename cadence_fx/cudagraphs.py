@@ -81,8 +81,9 @@ class CudaGraphBackend:
                 static.append(a)
         # torch.cuda.graph empties the allocator's cache as it starts capturing: do it first, so
         # the reserved bytes below count the pool's growth, not blocks freed by that. (No
-        # gc.collect: torch's own capture dropped it as too expensive for captures in a row, and
-        # after a compile's graphs and fake tensors it takes most of a second.)
+        # gc.collect: torch's own capture dropped it as too expensive for captures in a row; after
+        # a cold compile's graphs and fake tensors, the Token2Wav catalog's captures took 8.4 s
+        # with it on the H200 host, 1.4 s without.)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()

@@ -278,12 +278,17 @@ def _rewrites(c, entry, open_: bool) -> str:
         out.append("<p class=note>Loaded from the compile cache, where the class is kept as "
                    "code: the rewrites are listed without their lines. Compile it without the "
                    "cache (or after <code>cadence-fx cache clear</code>) to see them.</p>")
-        for name in [r.name for r in c.adapter.regions]:
-            mine = [w for w in entry.records["rewrites"] if w["region"] == name]
+        regions = [r.name for r in c.adapter.regions]
+        for name in regions + [None]:
+            mine = [w for w in entry.records["rewrites"] if (w["region"] == name if name
+                                                             else w["region"] not in regions)]
+            if name is None and not mine:
+                continue
             kinds = ", ".join(dict.fromkeys(w["kind"] for w in mine)) or "unchanged"
             body = "<ul>" + "".join(f"<li>{_e(w['kind'])}: {_e(w['detail'])}</li>"
                                     for w in mine) + "</ul>" if mine else ""
-            out.append(_details(f"region {name}: {kinds}", body, open_ and bool(mine)))
+            label = f"region {name}" if name else "other changes"
+            out.append(_details(f"{label}: {kinds}", body, open_ and bool(mine)))
         return "".join(out)
     groups = region_rewrites(c, entry)
     if groups and not groups[0]["before_kept"]:

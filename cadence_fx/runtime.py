@@ -204,6 +204,7 @@ class CompiledStep:
         self.envelopes.restore(keep=False)
         self.classes.clear()
         self._rejected.clear()
+        self._unstored.clear()
         self.backend = None
 
     # -- inspection -------------------------------------------------------------------------

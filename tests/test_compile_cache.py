@@ -164,6 +164,20 @@ def test_a_damaged_compiled_entry_is_reported_compiled_again_and_rewritten(tmp_p
     assert _loads(again) == (0, 4, 4)
 
 
+def test_an_intact_entry_that_does_not_load_here_is_reported_and_compiled_again(tmp_path):
+    """An entry whose digest holds but whose code cannot run in this process (here: an import
+    this environment lacks) is reported and compiled again, never half-loaded."""
+    first = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    key = next(iter(first.classes))
+    payload = first.compile_cache.load_class(key)
+    payload["module"]["imports"] += "\nimport a_module_this_environment_lacks\n"
+    first.compile_cache.store_class(key, payload)
+    with pytest.warns(RuntimeWarning, match="not loadable here .ModuleNotFoundError"):
+        c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    assert _loads(c) == (1, 3, 3)
+    assert _loads(_stream(PromptRetainedToy(), cache_dir=tmp_path)) == (0, 4, 4)
+
+
 @pytest.mark.parametrize("damage,why", DAMAGE)
 def test_a_damaged_trace_is_reported_traced_again_and_rewritten(tmp_path, damage, why):
     _traces_only(tmp_path)
