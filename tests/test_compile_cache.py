@@ -454,3 +454,25 @@ def test_what_the_code_reads_is_stored_by_value_by_path_or_not_at_all():
     assert kinds["state"][1] == "layer.cache"
     with pytest.raises(Unstorable, match="attribute state is a tensor that is neither"):
         attributes(gm, {})
+
+
+def test_a_restarted_server_captures_its_whole_catalog_from_the_cache(tmp_path):
+    """At start-up a server calls ``capture_catalog``: restarted, every class of the catalog
+    loads compiled (no trace), and the stream that follows runs them bit-exact."""
+    model = PromptRetainedToy()
+    state = _prompt(model)
+    x = torch.randn(1, 8, 64)
+    first = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER, cache_dir=tmp_path)
+    with torch.no_grad():
+        done = first.capture_catalog(x, state)
+    assert len(done) == 6 and all(done.values()) and len(_entries(tmp_path)) == 6
+    restarted = cadence_fx.compile(PromptRetainedToy(), PROMPT_RETAINED_ADAPTER, cache_dir=tmp_path)
+    with torch.no_grad():
+        assert restarted.capture_catalog(x, state) == done
+    # (capture_catalog leaves the counters as they were: the entries say how each class came)
+    from cadence_fx.stored_class import CodeModule
+    assert len(restarted.classes) == 6
+    assert all(isinstance(e.gm, CodeModule) and e.traced.loaded and e.records["probe_s"] == 0.0
+               for e in restarted.classes.values())
+    c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    assert _loads(c) == (0, 4, 4)
