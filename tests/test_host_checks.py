@@ -130,6 +130,72 @@ def test_a_window_in_module_state_not_declared_constant_keeps_the_stock_call():
                for p in e.records["pieces"] if p["kind"] == "eager")
 
 
+class DirectWindow(Vocoder):
+    """Hands its window attribute to istft as it is (no ``.to``): the graph reads it directly."""
+
+    def forward(self, x, cache):
+        full = torch.cat([cache["ctx"], x], 2)
+        h = self.head(nn.functional.pad(full, (2, 0)))
+        spec = torch.complex(h[:, :9].exp().clamp(max=1e2), h[:, 9:])
+        return torch.istft(spec, 16, self.hop, 16, window=self.window), {"ctx": full[:, :, -W:]}
+
+
+def test_a_window_read_directly_from_undeclared_module_state_keeps_the_stock_call():
+    """The user may change such a window between calls (here: in place, mid-stream), even to one
+    that fails the check: the call keeps its stock form, so the compiled stream follows the
+    change bit for bit, and raises where stock raises."""
+    undeclared = Adapter(**{**ADAPTER.__dict__, "name": "vocoder-direct", "constants": ()})
+    model = DirectWindow(torch.hann_window(16))
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(1, 9, 4, generator=g) for _ in range(8)]
+
+    def stream(step):
+        model.window.copy_(torch.hann_window(16))
+        state, outs = {"ctx": torch.zeros(1, 9, 0)}, []
+        for i, x in enumerate(xs):
+            if i == 4:
+                model.window.copy_(torch.hamming_window(16))   # the user changes it
+            with torch.no_grad():
+                y, state = step(x, state)
+            outs.append(y.clone())
+        model.window.zero_()                                 # now a window that fails the check
+        with pytest.raises(RuntimeError) as failed, torch.no_grad():
+            step(xs[0], state)
+        return outs, str(failed.value).splitlines()[0]
+
+    stock = stream(model)
+    compiled = cadence_fx.compile(model, undeclared)
+    ours = stream(compiled)
+    assert ours[1] == stock[1] and all(torch.equal(a, b) for a, b in zip(stock[0], ours[0]))
+    k = compiled.counters   # the last call ran the compiled class; its kept istft raised
+    assert (k.calls, k.compiled_calls, k.fallbacks) == (len(xs) + 1, len(xs), 0)
+    assert _istfts(compiled) == len(compiled.classes)
+    misses = [m["detail"] for e in compiled.classes.values() for m in e.records["near_misses"]]
+    assert misses and all("is module state not declared constant (Adapter.constants)" in m
+                          for m in misses)
+
+
+def test_the_pass_keeps_the_call_when_the_window_fails_its_check():
+    """The pass on its own (the probationary stock call raises first in a compile): a constant
+    window whose envelope fails the bound keeps its istft, with the reason."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from cadence_fx.context import PassContext
+    from cadence_fx.passes.host_checks import host_checks
+    window = torch.zeros(16)
+    window[:4] = 1.0
+    holder = Vocoder(window, hop=8)
+    gm = make_fx(lambda spec: torch.istft(spec, 16, 8, 16, window=holder.window),
+                 tracing_mode="fake", pre_dispatch=True, _allow_non_fake_inputs=True)(
+        torch.zeros(1, 9, 6, dtype=torch.complex64))
+    ctx = PassContext(adapter=ADAPTER, class_key=None, inputs=[], regions=[], module_buffers={},
+                      constant_ids={id(window)})
+    assert not host_checks(gm, ctx).modified
+    assert sum(n.target is aten.istft.default for n in gm.graph.nodes) == 1
+    assert [m["detail"].split(": ", 2)[-1] for m in ctx.records["near_misses"]] == [
+        "its window envelope falls to 0, the stock call raises"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_whole_call_replays_one_graph_bit_exact():
