@@ -18,10 +18,10 @@ process). What is kept, per class (``freeze``), and rebuilt by ``thaw``:
 * the class's input specs, result structure, records, region outputs, the carries it allocates
   (a priming pass), the buffers its graph writes (private copies) and the envelopes it replaces.
 
-A class is stored only when all of that holds (no shadow auditor in the graph, no tensor the
-code reads that is neither a constant nor module state, no global without an import path);
-otherwise its trace alone is cached. The loaded modules have no ``graph``: the report shows their
-code (``code``).
+A class is stored only when all of that holds. With the shadow auditor in its graph or a global
+without an import path, its trace alone is cached; with a tensor the code reads that is neither a
+constant nor module state, nothing is (a later process could not find that tensor again). The
+loaded modules have no ``graph``: the report shows their code (``code``).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ PASS_CONSTANTS = ("_cadence_const_", "_cadence_mask_value_")
 
 
 class Unstorable(Exception):
-    """The class cannot be stored in compiled form (its trace still can); the message says why."""
+    """The class cannot be stored in compiled form (its trace may still be); the message says why."""
 
 
 class CodeModule(torch.nn.Module):
