@@ -175,6 +175,17 @@ def test_a_window_read_directly_from_undeclared_module_state_keeps_the_stock_cal
                           for m in misses)
 
 
+def test_a_decomposition_that_cannot_be_traced_keeps_the_stock_call(monkeypatch):
+    def refuses(*args, **kwargs):
+        raise NotImplementedError("no decomposition here")
+    monkeypatch.setattr(torch._refs, "istft", refuses)
+    compiled = _run(torch.hann_window(16))
+    assert _istfts(compiled) == len(compiled.classes)
+    misses = [m["detail"] for e in compiled.classes.values() for m in e.records["near_misses"]]
+    assert misses and all("its decomposition could not be traced (NotImplementedError: no "
+                          "decomposition here)" in m for m in misses)
+
+
 def test_the_pass_keeps_the_call_when_the_window_fails_its_check():
     """The pass on its own (the probationary stock call raises first in a compile): a constant
     window whose envelope fails the bound keeps its istft, with the reason."""
