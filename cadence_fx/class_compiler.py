@@ -224,7 +224,8 @@ def _trace(cs, key, named) -> Optional[TracedStep]:
         loaded = cs.compile_cache.load(key)
         if loaded is not None:
             cs.counters.cache_loads += 1
-            return _keep(cs, cache_key, key, loaded)
+            _keep(cs, cache_key, key, loaded)
+            return loaded
     rng = RngSnapshot()  # tracing runs the step's Python code: keep its draws invisible
     try:
         traced = trace_step(cs.module, cs._fn, named, tracing_mode=cs.tracing_mode,
@@ -245,22 +246,19 @@ def _trace(cs, key, named) -> Optional[TracedStep]:
     if cs.compile_cache is not None:
         # stored once the class is compiled, and only if the class itself cannot be (pickling
         # the fake values costs about as much as tracing): a copy the passes leave untouched
-        if cs.trace_cache is not None:
-            cs._unstored[key] = cs.trace_cache[cache_key]
-        elif cs.keep_before:
-            cs._unstored[key] = cs.before[key]
-        else:
-            cs._unstored[key] = copy_traced(traced)
-    return kept
-
-
-def _keep(cs, cache_key, key, traced: TracedStep) -> TracedStep:
-    """Keep a copy of the trace the passes are about to rewrite: shared, or for the report."""
-    if cs.trace_cache is not None:
-        cs.trace_cache[cache_key] = copy_traced(traced)
-    elif cs.keep_before:
-        cs.before[key] = copy_traced(traced)
+        cs._unstored[key] = kept or copy_traced(traced)
     return traced
+
+
+def _keep(cs, cache_key, key, traced: TracedStep) -> Optional[TracedStep]:
+    """Keep a copy of the trace the passes are about to rewrite: shared, or for the report.
+    Returns the copy kept, if any."""
+    kept = None
+    if cs.trace_cache is not None:
+        kept = cs.trace_cache[cache_key] = copy_traced(traced)
+    elif cs.keep_before:
+        kept = cs.before[key] = copy_traced(traced)
+    return kept
 
 
 def _bind_regions(cs, traced: TracedStep) -> List[RegionBinding]:

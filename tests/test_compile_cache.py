@@ -30,16 +30,18 @@ def _prompt(model, seed=11):
     return {k: v.clone() for k, v in state.items()}
 
 
-def _stream(model, adapter=PROMPT_RETAINED_ADAPTER, **kw):
-    """Compile ``model``, stream it against stock; returns the compiled step."""
+def _stream(model, adapter=PROMPT_RETAINED_ADAPTER, stock=None, **kw):
+    """Compile ``model``, stream it against stock (``model`` itself, or a separate ``stock``
+    module when the step writes its own module); returns the compiled step."""
     compiled = cadence_fx.compile(model, adapter, **kw)
     g = torch.Generator().manual_seed(5)
-    state = ref = _prompt(model)
+    state = ref = _prompt(model) if stock is None else _prompt(copy.deepcopy(stock))
+    stock = model if stock is None else stock
     for w in WIDTHS:
         x = torch.randn(1, w, 64, generator=g)
         with torch.no_grad():
             y, state = compiled(x, state)
-            want, ref = model(x, {k: v.clone() for k, v in ref.items()})
+            want, ref = stock(x, {k: v.clone() for k, v in ref.items()})
         assert torch.equal(y, want) and all(torch.equal(state[k], ref[k]) for k in ref)
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks) == (len(WIDTHS), 0)
@@ -358,30 +360,15 @@ class LazyScaleToy(PromptRetainedToy):
         return y * self.scale, cache
 
 
-def _stream_against(model, stock, **kw):
-    """Like ``_stream``, against a separate stock module (the step writes its own module)."""
-    compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER, **kw)
-    g = torch.Generator().manual_seed(5)
-    state = ref = _prompt(copy.deepcopy(stock))
-    for w in WIDTHS:
-        x = torch.randn(1, w, 64, generator=g)
-        with torch.no_grad():
-            y, state = compiled(x, state)
-            want, ref = stock(x, {k: v.clone() for k, v in ref.items()})
-        assert torch.equal(y, want) and all(torch.equal(state[k], ref[k]) for k in ref)
-    assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (len(WIDTHS), 0)
-    return compiled
-
-
 @pytest.mark.parametrize("kind", ["class", "trace"])
 def test_module_state_is_bound_to_the_live_module_on_load(tmp_path, kind):
     """A loaded class (compiled, or its trace) writes the module's own ``frames_seen``, not a
     copy stored with it: a restarted server's module advances exactly as stock's does."""
     first = CountingToy()
-    _stream_against(first, copy.deepcopy(first), cache_dir=tmp_path, verify=kind == "trace")
+    _stream(first, stock=copy.deepcopy(first), cache_dir=tmp_path, verify=kind == "trace")
     assert len(_entries(tmp_path, kind)) == 4
     restarted, stock = CountingToy(), CountingToy()
-    c = _stream_against(restarted, stock, cache_dir=tmp_path)
+    c = _stream(restarted, stock=stock, cache_dir=tmp_path)
     assert _loads(c) == (0, 4, 4 if kind == "class" else 0)
     assert restarted.frames_seen.item() == stock.frames_seen.item() == sum(WIDTHS)
     if kind == "trace":
@@ -409,9 +396,9 @@ def test_state_the_module_registers_on_its_first_call_is_compiled_for(tmp_path):
     it. Restarted, the first loads compiled (no stock call), so the module has no ``scale`` when
     the second would load: that one is compiled instead, its probationary call registering it."""
     first = LazyScaleToy()
-    _stream_against(first, copy.deepcopy(first), cache_dir=tmp_path)
+    _stream(first, stock=copy.deepcopy(first), cache_dir=tmp_path)
     restarted = LazyScaleToy()
-    c = _stream_against(restarted, copy.deepcopy(restarted), cache_dir=tmp_path)
+    c = _stream(restarted, stock=copy.deepcopy(restarted), cache_dir=tmp_path)
     assert _loads(c) == (1, 3, 3) and "scale" in dict(restarted.named_buffers())
 
 

@@ -337,22 +337,20 @@ def test_copied_dit_calls_give_the_full_trace_on_cuda():
     assert difference(full.gm, copied.gm) is None
 
 
-def test_moshi_frame_replays_bit_exact_against_the_stock_loop():
-    """Real Mimi + LMGen (2-layer LM to keep the test short) on CUDA: every steady frame replays
-    one graph (the boolean-mask blanking a select on the device), bit-exact against plain stock
-    eager."""
-    require(*MOSHI)
+def _moshi_frames(**compile_kw):
+    """Real Mimi + LMGen (2-layer LM) on CUDA, built afresh (seeded weights): 10 frames with a
+    turn reset through the stock loop and through the compiled step, every frame compared
+    (PCM and tokens, ``torch.equal``). Returns the compiled step, its step closed."""
     from cadence_fx.models import moshi as M
-    mimi = M.build_mimi(device=DEV)
-    lm_gen = M.build_lm_gen(device=DEV, seed=1, overrides=M.SMALL_LM, dtype=torch.float32)
     g = torch.Generator().manual_seed(3)
     frames = [(0.1 * torch.randn(1, 1, 1920, generator=g)).to(DEV) for _ in range(10)]
+    mimi = M.build_mimi(device=DEV)
+    lm_gen = M.build_lm_gen(device=DEV, seed=1, overrides=M.SMALL_LM, dtype=torch.float32)
     torch.manual_seed(5)
     torch.cuda.manual_seed(5)
     stock = M.stock_stream(mimi, lm_gen, frames, reset_at=5)
     step = M.MoshiStep(mimi, lm_gen)
-    adapter = M.moshi_adapter(M.SMALL_LM)
-    compiled = cadence_fx.compile(step, adapter)
+    compiled = cadence_fx.compile(step, M.moshi_adapter(M.SMALL_LM), **compile_kw)
     torch.manual_seed(5)
     torch.cuda.manual_seed(5)
     state, ours = step.initial_state(), []
@@ -365,6 +363,16 @@ def test_moshi_frame_replays_bit_exact_against_the_stock_loop():
     same = [all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                 for a, b in zip(s, o)) for s, o in zip(stock, ours)]
     assert same == [True] * 10
+    step.close()
+    return compiled
+
+
+def test_moshi_frame_replays_bit_exact_against_the_stock_loop():
+    """Real Mimi + LMGen (2-layer LM to keep the test short) on CUDA: every steady frame replays
+    one graph (the boolean-mask blanking a select on the device), bit-exact against plain stock
+    eager."""
+    require(*MOSHI)
+    compiled = _moshi_frames()
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks, k.eager_pieces) == (10, 0, 0)
     assert k.replays == 10                     # one graph launch per frame
@@ -455,36 +463,8 @@ def test_a_restarted_moshi_frame_loads_compiled_and_replays_bit_exact(tmp_path):
     same weights, every frame class loaded compiled with its streaming state bound to the new
     modules, one graph launch per frame, bit-exact against the stock loop."""
     require(*MOSHI)
-    from cadence_fx.models import moshi as M
-    g = torch.Generator().manual_seed(3)
-    frames = [(0.1 * torch.randn(1, 1, 1920, generator=g)).to(DEV) for _ in range(10)]
-
-    def serve():
-        mimi = M.build_mimi(device=DEV)
-        lm_gen = M.build_lm_gen(device=DEV, seed=1, overrides=M.SMALL_LM, dtype=torch.float32)
-        torch.manual_seed(5)
-        torch.cuda.manual_seed(5)
-        stock = M.stock_stream(mimi, lm_gen, frames, reset_at=5)
-        step = M.MoshiStep(mimi, lm_gen)
-        compiled = cadence_fx.compile(step, M.moshi_adapter(M.SMALL_LM), cache_dir=tmp_path)
-        torch.manual_seed(5)
-        torch.cuda.manual_seed(5)
-        state, ours = step.initial_state(), []
-        for i, frame in enumerate(frames):
-            if i == 5:
-                state = step.initial_state()
-            with torch.no_grad():
-                pcm, tokens, state = compiled(frame, state)
-            ours.append((None if pcm is None else pcm.clone(),
-                         None if tokens is None else tokens.clone()))
-        same = [all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-                    for a, b in zip(s, o)) for s, o in zip(stock, ours)]
-        assert same == [True] * 10
-        step.close()
-        return compiled.counters
-
-    first = serve()
+    first = _moshi_frames(cache_dir=tmp_path).counters
     assert (first.traces, first.cache_loads) == (3, 0)
-    k = serve()
+    k = _moshi_frames(cache_dir=tmp_path).counters
     assert (k.traces, k.cache_loads, k.compiled_loads) == (0, 3, 3)
     assert (k.compiled_calls, k.fallbacks, k.eager_pieces, k.replays) == (10, 0, 0, 10)

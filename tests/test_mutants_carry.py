@@ -794,23 +794,12 @@ def test_a_window_without_room_is_a_near_miss_of_its_region_with_the_reason():
          "detail": f"new state (4 frames) written into C[:4]: copied once, because {why}"}]
 
 
-def _lockstep_window(compiled, model, calls):
-    """``calls`` 2-frame chunks through ``compiled`` and ``model`` side by side, all equal."""
-    g = torch.Generator().manual_seed(9)
-    ours = ref = torch.zeros(1, 2, 0)
-    for _ in range(calls):
-        x = torch.randn(1, 2, 2, generator=g)
-        with torch.no_grad():
-            (y, ours), (y_ref, ref) = compiled(x, ours), model(x, ref)
-        assert torch.equal(y, y_ref) and torch.equal(ours, ref)
-
-
 def test_the_shadow_audit_is_an_eager_piece_with_its_reason():
     """With ``verify`` each carry write is followed by a host comparison: a piece of its own,
     eager, the reason in the report."""
     model = OnlyWindow("slice", 4, 2)
     compiled = cadence_fx.compile(model, _adapter(4, 2), verify=True)
-    _lockstep_window(compiled, model, calls=3)
+    _lockstep(compiled, model, calls=3, seed=9)
     for entry in compiled.classes.values():
         assert [(p["kind"], p["reasons"]) for p in entry.records["pieces"]] == [
             ("graph", []), ("eager", ["shadow audit compares on the host"])]
