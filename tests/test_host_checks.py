@@ -54,13 +54,13 @@ def _stream(step, xs):
     return outs
 
 
-def _run(window, device="cpu", calls=10, adapter=ADAPTER, **options):
+def _run(window, device="cpu", calls=10, adapter=ADAPTER, cache_dir=None, **options):
     torch.manual_seed(0)
     model = Vocoder(window).to(device)
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(1, 9, 4, generator=g).to(device) for _ in range(calls)]
     stock = _stream(model, xs)
-    compiled = cadence_fx.compile(model, adapter, options=Options(**options))
+    compiled = cadence_fx.compile(model, adapter, options=Options(**options), cache_dir=cache_dir)
     ours = _stream(compiled, xs)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(stock, ours))
     k = compiled.counters
@@ -128,6 +128,32 @@ def test_a_window_in_module_state_not_declared_constant_keeps_the_stock_call():
                           "Adapter.constants" in m for m in misses)
     assert all(p["reasons"] == [ISTFT_KEPT] for e in compiled.classes.values()
                for p in e.records["pieces"] if p["kind"] == "eager")
+
+
+def test_a_restarted_vocoder_loads_its_decomposed_istft_and_takes_a_retry(tmp_path):
+    """Restart on a filled compile cache: every class loads compiled (the hoisted envelope is a
+    constant stored with it), streams bit-exact, and takes a retry from a cloned older state."""
+    first = _run(torch.hann_window(16), cache_dir=tmp_path)
+    restarted = _run(torch.hann_window(16), cache_dir=tmp_path)
+    k = restarted.counters
+    assert (k.traces, k.compiled_loads) == (0, len(first.classes))
+    assert all(_istfts_left(e) == 0 for e in restarted.classes.values())
+    torch.manual_seed(0)
+    model = Vocoder(torch.hann_window(16))      # the weights _run's model had
+    g = torch.Generator().manual_seed(8)
+    x, older = torch.randn(1, 9, 4, generator=g), {"ctx": torch.randn(1, 9, W, generator=g)}
+    step = cadence_fx.compile(model, ADAPTER, cache_dir=tmp_path)
+    with torch.no_grad():
+        y, _ = step(x, {"ctx": older["ctx"].clone()})
+        retried, _ = step(x, {"ctx": older["ctx"].clone()})     # the retry, from the clone
+        want, _ = model(x, {"ctx": older["ctx"].clone()})
+    assert torch.equal(y, want) and torch.equal(retried, want)
+    assert (step.counters.traces, step.counters.compiled_loads) == (0, 1)
+
+
+def _istfts_left(entry) -> int:
+    """istft calls in a loaded class's code (it has no graph)."""
+    return sum(m.code.count("aten.istft") for m in entry.gm.modules() if hasattr(m, "code"))
 
 
 class DirectWindow(Vocoder):
