@@ -65,10 +65,10 @@ if [[ $STEP == timeline ]]; then
   tar czf "$OUT/timeline.tgz" -C "$OUT" timeline && rm -rf "$OUT/timeline"   # few files come back
 fi
 if [[ $STEP == suite ]]; then
-  # the whole suite (E, S, SRc, R, Rc, V, B on the CFM loop; whole chunk; Moshi); T/TM via CONFIGS
+  # the whole suite (E, SRc, F, S, R, Rc, V, B on the CFM loop; whole chunk; Moshi); T/TM via CONFIGS
   N=${SUITE_NAME:-suite}
   CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 bench/suite.py --out "$OUT/$N.json" \
-    --configs "${CONFIGS:-E,SRc,S,R,Rc,V,B,T,TM}" --parts "${PARTS:-cfm,whole,moshi}" ${BENCH_ARGS//+/ } \
+    --configs "${CONFIGS:-E,SRc,F,S,R,Rc,V,B,T,TM}" --parts "${PARTS:-cfm,whole,moshi}" ${BENCH_ARGS//+/ } \
     > "$OUT/$N.out" 2> "$OUT/$N.log"; echo "suite rc $?"; tail -40 "$OUT/$N.log"
 fi
 if [[ $STEP == warm ]]; then

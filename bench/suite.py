@@ -1,6 +1,6 @@
 """The benchmark suite on one GPU: the ablation, the peers and the floor, in one process and run.
 
-    python bench/suite.py --out bench/results/<date>-h200.json [--configs E,S,SRc,R,Rc,V,B,T,TM]
+    python bench/suite.py --out bench/results/<date>-h200.json [--configs E,SRc,F,S,R,Rc,V,B,T,TM]
                           [--parts cfm,whole,moshi] [--depth 16] [--chunks 12]
 
 Model: the real Token2Wav CFM loop (``CFMStep``: ``CausalConditionalCFM.forward_chunk`` + the
@@ -11,7 +11,9 @@ retention of ``stepaudio2/token2wav.py``; DiT depth 16, 10 Euler steps, CFG 0.7,
 * E: stock eager. S: state rule only (carries, rewritten graph run eagerly, no device graphs).
 * R: replay only: device graphs over the stock state, staged (copied in) every call.
 * Rc: replay with the stock-sized state bound by address (``Options.alias_state``).
-* SRc: both rules, the product (``release_envelopes=True``: the stock envelope is freed). It runs
+* F: SRc with exact fusion (``passes/fuse_exact.py``, on by default: the shipped product); SRc
+  and the ablation rows below run without it.
+* SRc: both rules (``release_envelopes=True``: the stock envelope is freed). It runs
   first among the cadence configurations, so its warm-up pass is the cold compile of the catalog;
   the others reuse its traces (``trace_cache``) where their signatures match (keeping them copies
   each traced graph inside that cold compile, so a run with one cadence configuration keeps none).
@@ -24,8 +26,9 @@ retention of ``stepaudio2/token2wav.py``; DiT depth 16, 10 Euler steps, CFG 0.7,
 Per configuration: per-chunk p50/p95 over ``--blocks`` timed passes of the stream (CUDA events,
 after a warm-up pass), the paired 95% bootstrap interval of the per-chunk latency ratio against E,
 peak memory over a memory pass of its own (``max_memory_allocated``, ``memory_reserved``: the whole
-process, model included), kernel time (the floor: sum of GPU kernel durations per chunk, profiler)
-and launches per chunk, compile and capture time, replays and fallbacks, and blocks bit-exact
+process, model included), its kernel time and kernels per chunk (``kernel_ms``, ``kernels``: sum
+of GPU kernel durations and kernel count, profiler, kernels inside replayed graphs included) beside
+``floor_ms`` (E's kernel time: the stock floor) and launches per chunk, compile and capture time, replays and fallbacks, and blocks bit-exact
 against E (``torch.equal`` on mel and state, every chunk, on the device). docs/benchmarks.md
 has the details. ``whole``: the whole Token2Wav chunk (flow + HiFT) E vs SRc. ``moshi``: E, V, cadence
 (``bench/moshi_frame.py``).
@@ -82,7 +85,7 @@ def log_to_stderr():
 def _parser():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--configs", default="E,SRc,S,R,Rc,V,B,T,TM",
+    ap.add_argument("--configs", default="E,SRc,F,S,R,Rc,V,B,T,TM",
                     help="in this order; the first cadence configuration traces cold (SRc: its "
                          "warm_pass_s is the cold compile of the catalog), later ones reuse traces")
     ap.add_argument("--parts", default="cfm,whole,moshi")

@@ -7,7 +7,8 @@ this process's E.
 * The ablation, ``cadence_fx.compile`` of the same step: S (state rule only, ``graphs=False``),
   R (replay only, ``state_rule=False``), Rc (replay over stock-sized state bound by address,
   ``Options(state_rule=False, alias_state=True)``), SRc (both rules, ``release_envelopes=True``:
-  the product). The first of them traces cold; when there are several, the later ones reuse its
+  the product without fusion), F (SRc with exact fusion, ``passes/fuse_exact.py``: the shipped
+  default). The first of them traces cold; when there are several, the later ones reuse its
   traces (``trace_cache``).
 * The peers (``suite_peers``): V, B, T; and TM, which runs T in max-autotune in a subprocess of
   its own under ``--tm-timeout``.
@@ -35,7 +36,7 @@ __all__ = ["CADENCE", "cfm_part", "run_cadence"]
 log = logging.getLogger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CADENCE = ("S", "SRc", "R", "Rc")   # the configurations compiled by cadence_fx
+CADENCE = ("S", "SRc", "F", "R", "Rc")   # the configurations compiled by cadence_fx
 
 
 def run_cadence(base, name, traces, **compile_kwargs):
@@ -70,16 +71,20 @@ def cfm_part(args, configs, save, device="cuda"):
     e.update(replays=0, fallbacks=0, status="ok")
     res["E"] = e
     save(res)
-    base = Baseline(stream, ref, e["times_ms"], blocks=args.blocks, no_floor=no_floor)
+    base = Baseline(stream, ref, e["times_ms"], blocks=args.blocks, no_floor=no_floor,
+                    floor_ms=e["floor_ms"])
     # the traces are kept for the other cadence configurations only when there are any: keeping
     # them copies every traced graph, inside the cold compile of the configuration that traced it
     traces = {} if sum(c in CADENCE for c in configs) > 1 else None
     jobs = {
-        "S": lambda: run_cadence(base, "S", traces, graphs=False),
-        "SRc": lambda: run_cadence(base, "SRc", traces, release_envelopes=True),
-        "R": lambda: run_cadence(base, "R", traces, state_rule=False),
+        "S": lambda: run_cadence(base, "S", traces, graphs=False, fuse=False),
+        "SRc": lambda: run_cadence(base, "SRc", traces, release_envelopes=True,
+                                   options=Options(fuse_exact=False)),
+        "F": lambda: run_cadence(base, "F", traces, release_envelopes=True),
+        "R": lambda: run_cadence(base, "R", traces, state_rule=False, fuse=False),
         "Rc": lambda: run_cadence(base, "Rc", traces,
-                                  options=Options(state_rule=False, alias_state=True)),
+                                  options=Options(state_rule=False, alias_state=True,
+                                                  fuse_exact=False)),
         "V": lambda: run_vendor(base, rebucket=False),
         "B": lambda: run_vendor(base, rebucket=True),
         "T": lambda: run_torch_compile(base, args.t_mode, args.t_target),

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 BLOCKS = 8   # timed passes over the whole stream per configuration (--blocks)
 # the flat per-configuration view of a result (``result[letter]``); the full rows are under ``cfm``
 ROW_KEYS = ("p50_ms", "p95_ms", "peak_bytes", "reserved_bytes", "bit_exact_blocks", "blocks",
-            "replays", "fallbacks", "floor_ms", "status")
+            "replays", "fallbacks", "floor_ms", "kernel_ms", "kernels", "status")
 
 
 def p95(xs):
@@ -61,8 +61,8 @@ def cleanup():
 
 
 def profile(run):
-    """Kernel time (ms, copies and memsets excluded) and launches (kernel launches, graph
-    launches, async copies) of ``run()``."""
+    """Kernel time (ms, copies and memsets excluded), launches (kernel launches, graph
+    launches, async copies) and kernels run (those inside replayed graphs too) of ``run()``."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as torch_profile
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -71,7 +71,9 @@ def profile(run):
     avg = prof.key_averages()
     kernel_us = sum(e.self_device_time_total for e in avg if e.device_type == DeviceType.CUDA
                     and not e.key.startswith(("Memcpy", "Memset")))
-    launches = {}
+    kernels = sum(e.count for e in avg if e.device_type == DeviceType.CUDA
+                  and not e.key.startswith(("Memcpy", "Memset")))
+    launches = {"kernels": kernels}
     for e in avg:
         if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                      "cudaGraphLaunch", "cudaMemcpyAsync"):
@@ -166,11 +168,16 @@ def measure(stream, step, ref, ref_times, *, warm=True, prof=True, blocks=BLOCKS
         n = 2
         kernel_ms, launches = profile(lambda: stream.run(step, limit=1 + n))
         first_ms, first = profile(lambda: stream.run(step, limit=1))  # turn start
-        row["floor_ms"] = (kernel_ms - first_ms) / n
-        row["launches_per_chunk"] = {k: (v - first.get(k, 0)) / n for k, v in launches.items()}
-        log.info("  profiled: %.1f ms kernel time per chunk", row["floor_ms"])
+        per_chunk = {k: (v - first.get(k, 0)) / n for k, v in launches.items()}
+        # its own kernel time and kernels per chunk; ``floor_ms`` is E's (the stock floor), set
+        # by ``Baseline.measure`` for the other rows
+        row["kernel_ms"] = row["floor_ms"] = (kernel_ms - first_ms) / n
+        row["kernels"] = per_chunk.pop("kernels")
+        row["launches_per_chunk"] = per_chunk
+        log.info("  profiled: %.1f ms kernel time per chunk, %.0f kernels", row["kernel_ms"],
+                 row["kernels"])
     else:
-        row["floor_ms"] = None
+        row["floor_ms"] = row["kernel_ms"] = row["kernels"] = None
         row["floor_note"] = "not profiled in this run (--no-floor)"
     return ref, row
 
@@ -184,14 +191,19 @@ class Baseline:
     ref_times: list
     blocks: int = BLOCKS
     no_floor: frozenset = frozenset()   # configurations not profiled (--no-floor)
+    floor_ms: float = None              # E's kernel time per chunk: the stock floor
 
     def measure(self, name, step, *, warm=True, prof=None):
         """``measure`` of configuration ``name`` against E; ``prof=None`` profiles the floor
         unless ``name`` is in ``no_floor``."""
         if prof is None:
             prof = name not in self.no_floor
-        return measure(self.stream, step, self.ref, self.ref_times, warm=warm, prof=prof,
-                       blocks=self.blocks)
+        ref, row = measure(self.stream, step, self.ref, self.ref_times, warm=warm, prof=prof,
+                           blocks=self.blocks)
+        row["floor_ms"] = self.floor_ms
+        if row["kernel_ms"] is not None and self.floor_ms:
+            row["kernel_vs_floor"] = row["kernel_ms"] / self.floor_ms
+        return ref, row
 
 
 def compile_breakdown(*compiled):
@@ -214,4 +226,5 @@ def counters_row(compiled):
             "graphs_captured": getattr(backend, "captured", 0),
             "staging_bytes": getattr(backend, "staging_bytes", 0),
             "released_bytes": k.released_bytes,
+            "fused_regions": k.fused_regions, "fusions_refused": k.fusions_refused,
             "fallback_reasons": dict(list(k.reasons.items())[:5])}

@@ -31,6 +31,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from .effects import RngSnapshot, TensorSnapshot
+from .fusion import pending_regions
 from .fx_utils import mutated_attributes
 
 __all__ = ["CudaGraphBackend"]
@@ -66,7 +67,8 @@ class CudaGraphBackend:
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        if self.warm_up:
+        if self.warm_up or pending_regions(piece.module):
+            # fused regions are verified (host syncs) on this eager run, before the capture
             reason = self._warm_up(piece, args)
             if reason:
                 return None, reason

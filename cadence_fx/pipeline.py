@@ -2,7 +2,8 @@
 
 Order matters and is fixed: constants first (so host work leaves the graph before partitioning),
 host-side checks on those constants made once, the carry pass next (it introduces the in-place
-writes), masked writes as selects (so they need not split the graph), then the shape-enumeration
+writes), masked writes as selects (so they need not split the graph), pointwise runs as fused
+regions (after every rewrite that adds ops, before the pieces are cut), then the shape-enumeration
 partition, and the lowering last (it is the only pass that adds runtime state). One flag per pass.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Options:
     host_checks: bool = True   # host-side checks on constants made once (istft's window check)
     state_rule: bool = True    # the carry pass: retention as in-place writes on fixed storage
     mask_writes: bool = True   # x[mask] = v as a select on the device, not nonzero on the host
+    fuse_exact: bool = True    # pointwise runs fused, each admitted only if bit-exact (device steps)
     partition: bool = True     # shape enumeration: capturable vs eager pieces
     lower: bool = True         # guarded pieces (device graphs where the backend has them)
     # Ablation only (the paper's Rc): without the state rule, bind the stock region tensors by
@@ -55,6 +57,8 @@ def build_pipeline(options: Options) -> List[Tuple[str, Callable]]:
         pipeline.append(("carry_retention", passes.carry_retention))
     if options.mask_writes:
         pipeline.append(("mask_writes", passes.mask_writes))
+    if options.fuse_exact:
+        pipeline.append(("fuse_exact", passes.fuse_exact))
     if options.partition:
         pipeline.append(("shape_enumeration", passes.shape_enumeration))
         if options.lower:  # lowering needs pieces; it always comes last

@@ -223,7 +223,7 @@ class CompiledStep:
 def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str], *,
             module: Optional[torch.nn.Module] = None, verify: bool = False, strict: bool = False,
             graphs: Optional[bool] = None, state_rule: bool = True, constants: bool = True,
-            backend=None, tracing_mode: str = "fake",
+            fuse: bool = True, backend=None, tracing_mode: str = "fake",
             carries: Optional[Dict[str, Carry]] = None, copy_outputs: bool = True,
             options: Optional[Options] = None, release_envelopes: bool = False,
             trace_cache: Optional[dict] = None, keep_before: bool = True,
@@ -233,11 +233,11 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
     ``step`` is a module (its ``forward`` is the step) or a callable; a plain callable names the
     module holding its weights with ``module=`` (a bound method's module is found by itself).
     ``verify`` turns on the shadow auditor; ``strict`` raises instead of falling back to eager;
-    ``state_rule``/``constants`` switch passes off; ``graphs=False`` (or the environment variable
+    ``state_rule``/``constants``/``fuse`` (exact fusion, ``passes/fuse_exact.py``) switch passes off; ``graphs=False`` (or the environment variable
     ``CADENCE_FX_DISABLE_GRAPHS=1``) keeps every piece on the guarded eager path. ``carries``
     shares the carry store of another compiled step of the same stream. ``copy_outputs=False``
     hands out replayed results in place (overwritten by the next replay) instead of cloning them.
-    ``options`` (a ``pipeline.Options``) replaces ``state_rule``/``constants`` for ablations.
+    ``options`` (a ``pipeline.Options``) replaces ``state_rule``/``constants``/``fuse`` for ablations.
     ``release_envelopes=True`` frees the storage of the module's stock envelope buffers once the
     carries have replaced them (the memory the state rule saves); it comes back, zero-filled,
     whenever the stock step has to run (a fallback, the probationary call).
@@ -267,7 +267,7 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
     if graphs is None:
         graphs = os.environ.get("CADENCE_FX_DISABLE_GRAPHS", "0") in ("", "0")
     if options is None:
-        options = Options(constants=constants, state_rule=state_rule)
+        options = Options(constants=constants, state_rule=state_rule, fuse_exact=fuse)
     return CompiledStep(step, adapter, module, verify=verify, strict=strict, options=options,
                         backend=backend, tracing_mode=tracing_mode, carries=carries,
                         graphs=graphs, copy_outputs=copy_outputs,

@@ -15,6 +15,8 @@ process). What is kept, per class (``freeze``), and rebuilt by ``thaw``:
   to the live tensor on load (so writes reach the module and new values are read);
 * per piece, the facts the lowering pass derived from fake tensors: its kind and reasons, which
   inputs are fixed-address and whose, which it writes, which outputs leave the step;
+* per fused region, its stock code and ops; it is compiled and verified again in the process that
+  loads it (Inductor's own cache makes the compile a lookup), as at its first compile;
 * the class's input specs, result structure, records, region outputs, the carries it allocates
   (a priming pass), the buffers its graph writes (private copies) and the envelopes it replaces.
 
@@ -34,6 +36,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.utils._pytree as pytree
 
+from .fusion import FusedRegion
 from .fx_utils import attr_value, written_bases
 from .replay import GuardedPiece
 from .tracing import TracedStep, module_state_tensors
@@ -101,6 +104,9 @@ def _freeze_module(gm, state: Dict[int, str]) -> dict:
                 "kind": child.kind, "reasons": list(child.reasons), "fixed": list(child.fixed_names),
                 "mutated": list(child.mutated), "escaping": list(child.escaping)},
                 "module": _freeze_module(child.module, state)}
+        elif isinstance(child, FusedRegion):   # verified again where it is loaded
+            children[name] = {"fused": {"ops": list(child.ops)},
+                              "module": _freeze_module(child.stock, state)}
         elif isinstance(child, torch.fx.GraphModule):
             children[name] = {"module": _freeze_module(child, state)}
         elif any(n.op == "call_module" and n.target == name for n in gm.graph.nodes):
@@ -191,7 +197,9 @@ def _thaw_module(cs, m: dict, state: Dict[str, torch.Tensor], label: str) -> Cod
     for name, child in m["children"].items():
         sub = _thaw_module(cs, child["module"], state, label)
         p = child.get("piece")
-        if p is not None:
+        if "fused" in child:
+            sub = FusedRegion(sub, name, child["fused"]["ops"], cs.counters)
+        elif p is not None:
             sub = GuardedPiece(sub, name, p["kind"], p["reasons"], p["fixed"], p["mutated"],
                                p["escaping"], cs.backend, cs.counters, strict=cs.strict,
                                recapture=cs.adapter.recapture_on_drift)

@@ -1,0 +1,163 @@
+"""Fused regions at run time: a run of pointwise ops compiled into fewer kernels, admitted only when
+it computes the same bits as the stock kernels it replaces (``passes/fuse_exact.py`` finds them).
+
+States of a region: pending -> fused (verified) or stock (with the reason).
+
+* A pending region is compiled on its first call, on the class's real inputs, by Inductor with
+  eager numerics (``NUMERICS``): IEEE division, no flush-to-zero, every low-precision round trip
+  kept, no FMA contraction, the CUDA toolkit's libdevice. Then both forms run on those inputs and
+  every output is compared with ``torch.equal`` plus its dtype, shape and strides; the call returns
+  the stock result either way. Equal: the region runs fused from then on. Different, or the compile
+  failed: it runs stock for good, and the reason is kept for the report.
+* Verification syncs with the host, so it may not happen under capture: the device-graph backend
+  runs a piece whose regions are pending once eagerly first (its warm-up, which puts back
+  everything the piece writes), and captures the fused kernels after that.
+* ``compile_region`` is the compiler; tests swap it to see a region refused.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+__all__ = ["DEVICES", "FusedRegion", "NUMERICS", "compile_region", "pending_regions", "regions"]
+
+log = logging.getLogger(__name__)
+
+# where ``fuse_exact`` makes regions: on the CPU, Inductor's C++ is not held to the stock numerics
+DEVICES = ("cuda",)
+
+# Inductor settings that keep its arithmetic to what the stock kernels do; a name this torch does
+# not have is left out (``eager_numerics.use_pytorch_libdevice`` is new in 2.13; on 2.11
+# ``emulate_precision_casts`` switches the toolkit's libdevice on by itself).
+NUMERICS = {
+    "eager_numerics.division_rounding": True,   # x / y as div_rn, not div.full
+    "eager_numerics.disable_ftz": True,          # subnormals kept, as ATen's kernels keep them
+    "eager_numerics.use_pytorch_libdevice": True,
+    "emulate_precision_casts": True,             # bf16 round trips between ops; no FMA contraction
+    "fallback_random": True,
+    "triton.cudagraphs": False,                  # the lowering captures; Inductor must not
+    "freezing": False,
+}
+
+
+def _numerics() -> dict:
+    import torch._inductor.config as config
+    have = config.get_config_copy()
+    return {k: v for k, v in NUMERICS.items() if k in have}
+
+
+def compile_region(module: torch.fx.GraphModule, args: Sequence) -> Callable:
+    """Inductor's code for ``module`` at exactly these inputs' shapes, with eager numerics. A
+    region with the same ops on inputs of the same layout (the next layer's, the next Euler
+    step's) shares the code compiled first in this process."""
+    import torch._inductor
+    import torch._inductor.config as config
+    if not isinstance(module, torch.fx.GraphModule):   # loaded from the compile cache as code
+        from torch.fx.experimental.proxy_tensor import make_fx
+        module = make_fx(module)(*args)
+    key = _key(module, args)
+    if key not in _COMPILED:
+        with config.patch(_numerics()), torch.no_grad():
+            _COMPILED[key] = torch._inductor.compile(module, list(args))
+    return _COMPILED[key]
+
+
+_COMPILED: dict = {}
+
+
+def _key(module: torch.fx.GraphModule, args: Sequence) -> tuple:
+    """The region's ops with their arguments (earlier values by position) and its inputs' layout:
+    equal keys compute the same function of the inputs with the same code."""
+    index = {}
+    ops = []
+    for k, n in enumerate(module.graph.nodes):
+        index[n] = k
+        mapped = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: ("%", index[a]))
+        ops.append((n.op, str(n.target) if n.op != "placeholder" else "", repr(mapped)))
+    layout = tuple((tuple(a.shape), a.stride(), a.dtype, str(a.device), a.data_ptr() % 16)
+                   if isinstance(a, torch.Tensor) else ("value", repr(a)) for a in args)
+    return tuple(ops), layout
+
+
+class FusedRegion(torch.nn.Module):
+    """One run of pointwise ops: ``stock`` is its graph (the stock kernels), ``ops`` what it holds."""
+
+    def __init__(self, stock: torch.fx.GraphModule, name: str, ops: Sequence[str], counters=None):
+        super().__init__()
+        self.stock = stock
+        self.region_name = name
+        self.ops = list(ops)
+        self.counters = counters
+        self.state = "pending"            # -> "fused" | "stock"
+        self.reason: Optional[str] = None
+        self._fused: Optional[Callable] = None
+
+    def forward(self, *args):
+        if self.state == "fused":
+            return self._fused(*args)
+        if self.state == "stock":
+            return self.stock(*args)
+        return self.verify(args)
+
+    def verify(self, args) -> tuple:
+        """Compile, run both forms on ``args``, admit the fused one only if every output is the
+        same bits at the same layout. Returns the stock outputs."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"fused region {self.region_name} must be verified before capture")
+        expected = self.stock(*args)
+        try:
+            fused = compile_region(self.stock, args)
+            got = fused(*args)
+        except Exception as e:  # noqa: BLE001 - the region stays stock, with the reason
+            return self._refuse(f"compile failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
+                                expected)
+        reason = _difference(expected, got)
+        if reason:
+            return self._refuse(reason, expected)
+        self._fused, self.state = fused, "fused"
+        if self.counters is not None:
+            self.counters.fused_regions += 1
+        log.debug("%s fused: %d ops", self.region_name, len(self.ops))
+        return expected
+
+    def _refuse(self, reason: str, expected) -> tuple:
+        self.state, self.reason = "stock", reason
+        if self.counters is not None:
+            self.counters.fusions_refused += 1
+        log.info("%s stays stock: %s", self.region_name, reason)
+        return expected
+
+    def extra_repr(self) -> str:
+        return f"{self.region_name}: {len(self.ops)} ops, {self.state}" + (
+            f" ({self.reason})" if self.reason else "")
+
+
+def _difference(expected, got) -> Optional[str]:
+    expected, got = list(expected), list(got)
+    if len(expected) != len(got):
+        return f"{len(got)} outputs, stock has {len(expected)}"
+    for k, (e, g) in enumerate(zip(expected, got)):
+        if not isinstance(g, torch.Tensor) or (e.dtype, e.shape, e.stride()) != (g.dtype, g.shape, g.stride()):
+            what = (g.dtype, tuple(g.shape), g.stride()) if isinstance(g, torch.Tensor) else type(g)
+            return (f"output {k} is {what}, stock gives {(e.dtype, tuple(e.shape), e.stride())}")
+        # bits, not values: torch.equal calls -0 and +0 equal, and a NaN unequal to itself
+        if not torch.equal(_bits(e), _bits(g)):
+            bad = (_bits(e) != _bits(g)).sum().item()
+            return f"output {k} differs from stock in {bad} of {e.numel()} elements"
+    return None
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point():
+        return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def regions(module: torch.nn.Module) -> List[FusedRegion]:
+    return [m for m in module.modules() if isinstance(m, FusedRegion)]
+
+
+def pending_regions(module: torch.nn.Module) -> bool:
+    return any(r.state == "pending" for r in regions(module))

@@ -1,0 +1,294 @@
+"""Exact fusion (passes/fuse_exact.py, cadence_fx/fusion.py): runs of pointwise ops become fused
+regions, each admitted only when its fused form gives the stock bits on the class's real inputs.
+
+On the CPU the pass makes no regions by default (``fusion.DEVICES``); the tests that exercise the
+whole path here let it fuse on the CPU too (Inductor's C++), where some regions are exact and some
+are not -- which is what the verification is for. Every stream is compared with ``torch.equal``
+against a stock module over whole turns (re-primed per speaker, flushes), and every test asserts
+what ran: regions fused, regions refused, their reasons. The device tests check each op of
+``EXACT_OPS`` against ATen over random and edge inputs, per dtype, and the conformer stream replayed
+with fused regions inside its graphs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cadence_fx
+from cadence_fx import fusion
+from cadence_fx.fusion import FusedRegion, regions
+from cadence_fx.fx_utils import aten
+from cadence_fx.passes.fuse_exact import EXACT_OPS, VIEWS, fusible
+from cadence_fx.pipeline import Options
+
+from streaming_conformer import CONFORMER_ADAPTER, make_model, run_turns
+
+TURNS = [(0, [8, 12, 8, 4]), (1, [12, 8])]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fuse_on_cpu(monkeypatch):
+    monkeypatch.setattr(fusion, "DEVICES", ("cuda", "cpu"))
+
+
+@pytest.fixture(scope="module")
+def stock():
+    return run_turns(make_model(), TURNS, seed=5)[0]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(
+        torch.equal(x[0], y[0]) and x[1].keys() == y[1].keys()
+        and all(torch.equal(x[1][k], y[1][k]) for k in x[1]) for x, y in zip(a, b))
+
+
+def _compiled(**options):
+    return cadence_fx.compile(make_model(), CONFORMER_ADAPTER, options=Options(**options))
+
+
+def _all_regions(compiled):
+    return [r for e in compiled.classes.values() for r in regions(e.gm)]
+
+
+def test_conformer_stream_runs_fused_regions_bit_exact(fuse_on_cpu, stock):
+    compiled = _compiled()
+    ours = run_turns(compiled, TURNS, seed=5)[0]
+    assert _same(stock, ours)
+    k = compiled.counters
+    assert (k.compiled_calls, k.fallbacks) == (k.calls, 0) and k.calls == len(stock)
+    found = _all_regions(compiled)
+    assert found and all(r.state in ("fused", "stock") for r in found)   # every one decided
+    fused = [r for r in found if r.state == "fused"]
+    assert len(fused) == k.fused_regions > 0
+    assert k.fusions_refused == len(found) - len(fused)
+    assert all(r.reason for r in found if r.state == "stock")
+    # the regions hold only ops of the whitelist, at least two kernels each
+    assert all(len(r.ops) >= 2 for r in found)
+    names = {str(op) for op in EXACT_OPS}
+    assert all(op in names for r in found for op in r.ops)
+    # the records name each region of a class, and the stock graph is gone from the top level
+    e = next(iter(compiled.classes.values()))
+    assert len(e.records["fusion"]["regions"]) == len(regions(e.gm)) > 0
+
+
+def test_a_region_whose_fused_form_differs_stays_stock_with_the_reason(fuse_on_cpu, stock, monkeypatch):
+    def off_by_one_ulp(module, args):        # an inexact compiler: one ULP up on its first output
+        def run(*a):
+            out = list(module(*a))
+            if out[0].is_floating_point():
+                out[0] = torch.nextafter(out[0], torch.full_like(out[0], float("inf")))
+            return out
+        return run
+    monkeypatch.setattr(fusion, "compile_region", off_by_one_ulp)
+    compiled = _compiled()
+    assert _same(stock, run_turns(compiled, TURNS, seed=5)[0])
+    found = _all_regions(compiled)
+    floating = [r for r in found if r.stock.graph.find_nodes(op="output")[0].args[0][0].meta["val"]
+                .is_floating_point()]
+    assert floating and all(r.state == "stock" and "differs from stock" in r.reason for r in floating)
+    assert compiled.counters.fusions_refused >= len(floating)
+    assert compiled.counters.fused_regions == len(found) - len(floating)
+
+
+def test_a_region_whose_compile_fails_stays_stock_with_the_reason(fuse_on_cpu, stock, monkeypatch):
+    def broken(module, args):
+        raise RuntimeError("no compiler here")
+    monkeypatch.setattr(fusion, "compile_region", broken)
+    compiled = _compiled()
+    assert _same(stock, run_turns(compiled, TURNS, seed=5)[0])
+    found = _all_regions(compiled)
+    assert found and all(r.state == "stock" and r.reason == "compile failed: RuntimeError: no compiler here"
+                         for r in found)
+    assert (compiled.counters.fused_regions, compiled.counters.fusions_refused) == (0, len(found))
+
+
+def test_no_regions_on_a_cpu_step_by_default_nor_when_switched_off(stock, monkeypatch):
+    compiled = _compiled()
+    assert _same(stock, run_turns(compiled, TURNS, seed=5)[0])
+    e = next(iter(compiled.classes.values()))
+    assert not _all_regions(compiled)
+    assert e.records["fusion"]["skipped"] == "fusion is for device steps (cuda); this step runs on cpu"
+    monkeypatch.setattr(fusion, "DEVICES", ("cuda", "cpu"))
+    off = _compiled(fuse_exact=False)
+    assert _same(stock, run_turns(off, TURNS, seed=5)[0])
+    assert not _all_regions(off) and off.counters.fused_regions == 0
+    assert "fuse_exact" not in [p["name"] for p in next(iter(off.classes.values())).records["passes"]]
+
+
+def _node(fn, *args):
+    gm = torch.fx.experimental.proxy_tensor.make_fx(fn)(*args)
+    return next(n for n in gm.graph.nodes if n.op == "call_function")
+
+
+def test_the_whitelist_keeps_out_what_stock_computes_differently():
+    x, y = torch.randn(4), torch.randn(4)
+    assert fusible(_node(lambda a, b: a + b, x, y))
+    assert fusible(_node(lambda a, b: a * b, x, y))
+    assert not fusible(_node(lambda a, b: torch.add(a, b, alpha=2), x, y))   # may contract to FMA
+    assert not fusible(_node(lambda a, b: torch.sub(a, b, alpha=0.5), x, y))
+    assert not fusible(_node(lambda a: a / 3.0, x))                     # multiplied by 1/3 in ATen
+    assert not fusible(_node(lambda a: torch.nn.functional.gelu(a), x))  # erf: never exact fused
+    assert not fusible(_node(lambda a: torch.softmax(a, 0), x))
+    assert not fusible(_node(lambda a: a.double() + 1, x))              # dtype not a model's
+    assert not fusible(_node(lambda a: a.add_(1), x))                    # in place: order matters
+    assert not fusible(_node(lambda a: a.to(torch.float16, memory_format=torch.channels_last)
+                             if a.dim() == 4 else a.half(), torch.randn(1, 2, 2, 2)))
+    # division by a device tensor is div_rn on both sides; on the CPU the divisor is on the host
+    gm = torch.fx.experimental.proxy_tensor.make_fx(lambda a, b: a / b)(x, y)
+    div = next(n for n in gm.graph.nodes if n.target is aten.div.Tensor)
+    assert not fusible(div)
+
+
+def test_region_rewrite_keeps_views_used_after_it(fuse_on_cpu):
+    """A view inside a region that is also read after it is made again outside, from the
+    region's output, and the graph computes what it computed."""
+    from cadence_fx.context import PassContext
+    from cadence_fx.passes.fuse_exact import fuse_exact
+
+    def f(x, s, b):
+        y = x * (1 + s) + b
+        v = y.view(2, 8)          # read inside the region and after it
+        return torch.mm(v.t(), v * 2), v
+
+    args = (torch.randn(16), torch.randn(16), torch.randn(16))
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f)(*args)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    FakeTensorProp(gm, FakeTensorMode()).propagate(*args)
+    ctx = PassContext(adapter=None, class_key="k", inputs=[], regions=[], module_buffers={})
+    expected = gm(*args)
+    result = fuse_exact(gm, ctx)
+    gm = result.graph_module
+    gm.recompile()
+    assert result.modified and len(regions(gm)) == 1
+    r = regions(gm)[0]
+    assert r.ops == ["aten.add.Tensor", "aten.mul.Tensor", "aten.add.Tensor", "aten.mul.Tensor"]
+    got = gm(*args)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert r.state in ("fused", "stock")
+    views_after = [n for n in gm.graph.nodes if n.target is aten.view.default]
+    assert len(views_after) == 1 and views_after[0].args[0].target.__name__ == "getitem"
+
+
+# -- on the device ------------------------------------------------------------------------------
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _edges(dtype, n=4096, seed=0):
+    """Random values of several magnitudes, with ±0, subnormals, ±inf, NaN payloads, ±3e38,
+    ±88.7 planted at the front."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.logspace(-6, 6, n).index_select(0, torch.randperm(n, generator=g))
+    planted = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3e-39, float("inf"), float("-inf"),
+                            float("nan"), 3e38, -3e38, 88.7, -88.7, 1.0, -1.0, 0.5, 1e-7])
+    x[:len(planted)] = planted
+    x = x.to(dtype)
+    if dtype == torch.float32:      # a NaN with a payload of its own
+        x.view(torch.int32)[len(planted)] = 0x7FC00123
+    return x.cuda()
+
+
+UNARY = {aten.neg.default, aten.abs.default, aten.exp.default, aten.tanh.default, aten.sin.default,
+         aten.cos.default, aten.sqrt.default, aten.rsqrt.default, aten.sigmoid.default,
+         aten.silu.default, aten.logical_not.default}
+
+
+def _op_case(op):
+    if op in UNARY:
+        return lambda a, b: op(a)
+    if op is aten._to_copy.default:
+        return lambda a, b: op(op(a, dtype=torch.bfloat16) if a.dtype == torch.float32 else a,
+                               dtype=torch.float32)
+    if op is aten.where.self:
+        return lambda a, b: op(a > b, a, b)
+    if op.overloadpacket in (aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge) and "Scalar" in op._overloadname:
+        return lambda a, b: op(a, 0.5)
+    if op in (aten.logical_and.default, aten.logical_or.default):
+        return lambda a, b: op(a > 0, b > 0)
+    return lambda a, b: op(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", sorted(EXACT_OPS, key=str), ids=str)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_each_whitelisted_op_fused_is_atens_bits_on_the_device(op, dtype):
+    fn = _op_case(op)
+    a, b = _edges(dtype, seed=1), _edges(dtype, seed=2).flip(0)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(lambda a, b: (fn(a, b) * 1,))(a, b)   # two kernels
+    region = FusedRegion(gm, "probe", ["probe"])
+    expected = region(a, b)
+    assert region.state == "fused", region.reason
+    assert fusion._difference(expected, region(a, b)) is None
+
+
+CHAINS = {
+    "adaLN": lambda x, s, b: x * (1 + s) + b,
+    "gate": lambda x, g, y: x + g * y,
+    "silu_mul": lambda a, b, c: torch.nn.functional.silu(a) * b,
+    "euler": lambda x, dt, v: x + dt * v,
+    "cfg": lambda a, w, b: (1 + w) * a - w * b,
+    "rope": lambda x, cos, sin: x * cos + torch.cat([-x[..., 8:], x[..., :8]], -1) * sin,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_model_chains_fused_are_stock_bits_on_the_device(chain, dtype):
+    xs = [_edges(dtype, seed=s).view(256, 16) for s in range(3)]
+    gm = torch.fx.experimental.proxy_tensor.make_fx(lambda *a: (CHAINS[chain](*a),))(*xs)
+    region = FusedRegion(gm, chain, [chain])
+    expected = region(*xs)
+    if chain == "rope":   # cat is not pointwise: the pass would not make this one region
+        assert region.state in ("fused", "stock")
+        return
+    assert region.state == "fused", region.reason
+    for seed in range(3, 8):
+        ys = [_edges(dtype, seed=seed * 3 + k).view(256, 16) for k in range(3)]
+        assert fusion._difference(gm(*ys), region(*ys)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_conformer_on_the_device_replays_fused_regions_bit_exact():
+    stock_model, model = make_model().cuda(), make_model().cuda()
+    turns = TURNS
+
+    def on_device(step):
+        def run(x, state):
+            return step(x.cuda(), None if state is None else {k: v.cuda() for k, v in state.items()})
+        return run
+
+    ref = run_turns(on_device(stock_model), turns, seed=5)[0]
+    compiled = cadence_fx.compile(model, CONFORMER_ADAPTER)
+    ours = run_turns(on_device(compiled), turns, seed=5)[0]
+    assert _same(ref, ours)
+    k = compiled.counters
+    assert k.fallbacks == 0 and k.replays >= k.calls and k.fused_regions > 0
+    found = _all_regions(compiled)
+    assert all(r.state != "pending" for r in found)
+    print({"regions": len(found), "fused": k.fused_regions, "refused": k.fusions_refused,
+           "reasons": sorted({r.reason for r in found if r.reason})[:5]})
+
+
+def test_a_restarted_server_loads_its_fused_regions_from_the_cache_and_verifies_them_again(
+        fuse_on_cpu, stock, tmp_path):
+    first = cadence_fx.compile(make_model(), CONFORMER_ADAPTER, cache_dir=tmp_path)
+    assert _same(stock, run_turns(first, TURNS, seed=5)[0])
+    states = sorted(r.state for r in _all_regions(first))
+    restarted = cadence_fx.compile(make_model(), CONFORMER_ADAPTER, cache_dir=tmp_path)
+    assert _same(stock, run_turns(restarted, TURNS, seed=5)[0])
+    k = restarted.counters
+    assert k.traces == 0 and k.compiled_loads == len(restarted.classes) > 0
+    again = _all_regions(restarted)
+    assert sorted(r.state for r in again) == states            # the same verdicts, made again
+    assert k.fused_regions == states.count("fused") > 0
