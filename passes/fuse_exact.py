@@ -9,12 +9,13 @@ the DiT block's adaLN modulation and gated residual, Moshi's RoPE::
 GEMMs, convolutions, reductions (norms, softmax), copies into the carry and everything else stay
 the stock kernels. A region holds only ops of ``EXACT_OPS``, whose fused form is the same
 arithmetic as ATen's kernel -- one correctly rounded IEEE operation per element (add, sub, mul,
-division by a device tensor, comparisons, selects, casts), or the same formula through the same
+division by a device tensor, comparisons, selects, widening casts), or the same formula through the same
 libdevice routine (exp, tanh, sin, cos, sqrt, rsqrt, sigmoid, silu) -- on dtypes the models use,
 and views that launch no kernel. What stays out, and why:
 
 * ``add``/``sub`` with ``alpha`` != 1: ATen's kernel may contract ``a + alpha * b`` into an FMA;
 * division by a Python number or a host scalar: ATen multiplies by its reciprocal instead;
+* narrowing casts (fp32 -> bf16): ATen makes every NaN the canonical one, the device keeps payloads;
 * erf-GELU, softmax, LayerNorm, RMSNorm: never bit-exact when fused (a probe on the H200);
 * anything in place: its order against the carry's writes is the graph's.
 
@@ -55,8 +56,14 @@ def _device_divisor(n: Node) -> bool:
             and not n.kwargs.get("rounding_mode"))
 
 
-def _same_device_cast(n: Node) -> bool:
-    return set(n.kwargs) <= {"dtype"} and len(n.args) == 1
+def _widening_cast(n: Node) -> bool:
+    """A cast on the same device that loses nothing (bf16/fp16 -> fp32, anything -> bool): a
+    narrowing fp32 -> bf16 cast in ATen turns every NaN into the canonical one, the device's
+    conversion instruction keeps its payload."""
+    x = val(n.args[0]) if n.args else None
+    to = n.kwargs.get("dtype")
+    return (set(n.kwargs) <= {"dtype"} and len(n.args) == 1 and x is not None
+            and (to in (torch.float32, torch.bool) or to == x.dtype))
 
 
 def _always(n: Node) -> bool:
@@ -75,7 +82,7 @@ EXACT_OPS: Dict[torch._ops.OpOverload, Callable[[Node], bool]] = {
     aten.le.Scalar: _always, aten.gt.Scalar: _always, aten.ge.Scalar: _always,
     aten.logical_not.default: _always, aten.logical_and.default: _always,
     aten.logical_or.default: _always,
-    aten._to_copy.default: _same_device_cast,
+    aten._to_copy.default: _widening_cast,
     # the same formula through the same libdevice routine as ATen's kernel (checked on the device)
     aten.exp.default: _always, aten.tanh.default: _always, aten.sin.default: _always,
     aten.cos.default: _always, aten.sqrt.default: _always, aten.rsqrt.default: _always,
