@@ -9,7 +9,8 @@ the DiT block's adaLN modulation and gated residual, Moshi's RoPE::
 GEMMs, convolutions, reductions (norms, softmax), copies into the carry and everything else stay
 the stock kernels. A region holds only ops of ``EXACT_OPS``, whose fused form is the same
 arithmetic as ATen's kernel -- one correctly rounded IEEE operation per element (add, sub, mul,
-division by a device tensor, comparisons, selects, widening casts), or the same formula through the same
+division by a device tensor, integer arithmetic, comparisons, selects, widening casts, fills,
+copies by ``cat``/``stack``), or the same formula through the same
 libdevice routine (exp, tanh, sin, cos, sqrt, rsqrt, sigmoid, silu) -- on dtypes the models use,
 and views that launch no kernel. What stays out, and why:
 
@@ -17,6 +18,8 @@ and views that launch no kernel. What stays out, and why:
 * division by a Python number or a host scalar: ATen multiplies by its reciprocal instead;
 * narrowing casts (fp32 -> bf16): ATen makes every NaN the canonical one, the device keeps payloads;
 * erf-GELU, softmax, LayerNorm, RMSNorm: never bit-exact when fused (a probe on the H200);
+* ``x + 0``, ``x - 0``, ``x * 1`` with a literal: Inductor drops them, ATen computes them (-0 + 0
+  is +0; the device's arithmetic makes a NaN canonical);
 * anything in place: its order against the carry's writes is the graph's.
 
 A region is a maximal run of such nodes in graph order (so no path leaves it and comes back),
@@ -29,7 +32,7 @@ whether it runs fused (``torch.equal`` of every output's bits, dtype and strides
 from __future__ import annotations
 
 import operator
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -40,14 +43,27 @@ from cadence_fx import fusion
 from cadence_fx.fusion import FusedRegion
 from cadence_fx.fx_utils import aten, graph_module, val
 
-__all__ = ["fuse_exact", "EXACT_OPS", "fusible"]
+__all__ = ["fuse_exact", "EXACT_OPS", "VIEWS", "fusible", "is_kernel"]
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.bool)
+FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+INT = (torch.int64, torch.int32)
+BOOL = (torch.bool,)
+DTYPES = FLOAT + INT + BOOL
 MIN_KERNELS = 2
 
 
 def _unit_alpha(n: Node) -> bool:
-    return n.kwargs.get("alpha", 1) == 1 and len(n.args) <= 2
+    return n.kwargs.get("alpha", 1) == 1 and len(n.args) <= 2 and not _identity(n, 0)
+
+
+def _identity(n: Node, unit) -> bool:
+    """``x + 0``, ``x * 1``: Inductor simplifies them away, ATen computes them (-0 + 0 is +0,
+    and the device's arithmetic makes a NaN canonical)."""
+    return any(not isinstance(a, Node) and a == unit for a in n.args)
+
+
+def _no_unit(n: Node) -> bool:
+    return not _identity(n, 1)
 
 
 def _device_divisor(n: Node) -> bool:
@@ -56,62 +72,107 @@ def _device_divisor(n: Node) -> bool:
             and not n.kwargs.get("rounding_mode"))
 
 
+def _cast_to(n: Node) -> Optional[torch.dtype]:
+    """The dtype a cast on the same device makes, or None for any other form of cast."""
+    t = n.target
+    if t is aten._to_copy.default and len(n.args) == 1 and set(n.kwargs) <= {"dtype"}:
+        return n.kwargs.get("dtype")
+    extra = {aten.to.dtype: 2, aten.to.device: 3}.get(t)
+    if extra is not None and len(n.args) <= extra and not n.kwargs:
+        return n.args[extra - 1]
+    return None
+
+
 def _widening_cast(n: Node) -> bool:
-    """A cast on the same device that loses nothing (bf16/fp16 -> fp32, anything -> bool): a
-    narrowing fp32 -> bf16 cast in ATen turns every NaN into the canonical one, the device's
-    conversion instruction keeps its payload."""
-    x = val(n.args[0]) if n.args else None
-    to = n.kwargs.get("dtype")
-    return (set(n.kwargs) <= {"dtype"} and len(n.args) == 1 and x is not None
-            and (to in (torch.float32, torch.bool) or to == x.dtype))
+    """A cast that loses nothing (bf16/fp16 -> fp32, int32 -> int64, anything -> bool): ATen's
+    narrowing fp32 -> bf16 turns every NaN into the canonical one, the device's conversion
+    instruction keeps its payload."""
+    x, to = val(n.args[0]), _cast_to(n)
+    if to is None or val(n).device != x.device or to == x.dtype:   # same dtype: ``to`` returns its input (a view, below)
+        return False
+    return (to is torch.bool or (to is torch.float32 and x.dtype in FLOAT)
+            or (to is torch.int64 and x.dtype in INT))
+
+
+def _same_dtype_to(n: Node) -> bool:
+    return _cast_to(n) == val(n.args[0]).dtype and val(n).device == val(n.args[0]).device
+
+
+def _square(n: Node) -> bool:
+    return len(n.args) == 2 and n.args[1] == 2      # ATen and Inductor both compute x * x
 
 
 def _always(n: Node) -> bool:
     return True
 
 
-# op -> when the node may fuse; the comment says why its fused form is the stock arithmetic
-EXACT_OPS: Dict[torch._ops.OpOverload, Callable[[Node], bool]] = {
-    # one correctly rounded IEEE operation per element (no FMA contraction in the fused code)
-    aten.add.Tensor: _unit_alpha, aten.sub.Tensor: _unit_alpha, aten.mul.Tensor: _always,
-    aten.div.Tensor: _device_divisor, aten.neg.default: _always, aten.abs.default: _always,
-    aten.where.self: _always,
-    aten.eq.Tensor: _always, aten.ne.Tensor: _always, aten.lt.Tensor: _always,
-    aten.le.Tensor: _always, aten.gt.Tensor: _always, aten.ge.Tensor: _always,
-    aten.eq.Scalar: _always, aten.ne.Scalar: _always, aten.lt.Scalar: _always,
-    aten.le.Scalar: _always, aten.gt.Scalar: _always, aten.ge.Scalar: _always,
-    aten.logical_not.default: _always, aten.logical_and.default: _always,
-    aten.logical_or.default: _always,
-    aten._to_copy.default: _widening_cast,
-    # the same formula through the same libdevice routine as ATen's kernel (checked on the device)
-    aten.exp.default: _always, aten.tanh.default: _always, aten.sin.default: _always,
-    aten.cos.default: _always, aten.sqrt.default: _always, aten.rsqrt.default: _always,
-    aten.sigmoid.default: _always, aten.silu.default: _always,
+# op -> (the input dtypes it may fuse on, when it may fuse). Why each fused form is the stock
+# arithmetic: integers, comparisons, selects and fills have no rounding; add, sub, mul and div_rn
+# are one correctly rounded IEEE operation per element (and the fused code contracts nothing into
+# an FMA); the transcendental ones compute the same formula through the same libdevice routine as
+# ATen's kernel (each is checked against ATen on the device over edge inputs, per dtype).
+_ARITH, _ANY = FLOAT + INT, DTYPES
+EXACT_OPS: Dict[torch._ops.OpOverload, Tuple[tuple, Callable[[Node], bool]]] = {
+    aten.add.Tensor: (_ARITH, _unit_alpha), aten.sub.Tensor: (_ARITH, _unit_alpha),
+    aten.mul.Tensor: (_ARITH, _no_unit), aten.div.Tensor: (FLOAT, _device_divisor),
+    aten.cat.default: (_ANY, _always), aten.stack.default: (_ANY, _always),   # copies
+    aten.neg.default: (_ARITH, _always), aten.abs.default: (_ARITH, _always),
+    aten.remainder.Scalar: (INT, lambda n: n.args[1] != 0),   # Python's modulo on both sides
+    aten.pow.Tensor_Scalar: (FLOAT, _square),
+    aten.where.self: (_ANY, _always), aten.full_like.default: (_ANY, _always),
+    **{getattr(getattr(aten, c), k): (_ANY, _always)
+       for c in ("eq", "ne", "lt", "le", "gt", "ge") for k in ("Tensor", "Scalar")},
+    aten.logical_not.default: (_ANY, _always), aten.logical_and.default: (_ANY, _always),
+    aten.logical_or.default: (_ANY, _always),
+    aten.__and__.Tensor: (INT + BOOL, _always), aten.__or__.Tensor: (INT + BOOL, _always),
+    aten.bitwise_and.Tensor: (INT + BOOL, _always), aten.bitwise_or.Tensor: (INT + BOOL, _always),
+    aten._to_copy.default: (_ANY, _widening_cast), aten.to.dtype: (_ANY, _widening_cast),
+    aten.to.device: (_ANY, _widening_cast),
+    aten.exp.default: (FLOAT, _always), aten.tanh.default: (FLOAT, _always),
+    aten.sin.default: (FLOAT, _always), aten.cos.default: (FLOAT, _always),
+    aten.sqrt.default: (FLOAT, _always), aten.rsqrt.default: (FLOAT, _always),
+    aten.sigmoid.default: (FLOAT, _always), aten.silu.default: (FLOAT, _always),
 }
 # views, and ops that are views at inference: no kernel of their own (a reshape that must copy is
-# a copy, exact either way); inside a region only
+# a copy, exact either way); inside a region only. Ops with several outputs (unbind, chunk,
+# split) are views read through ``getitem``.
+MULTI_VIEWS = {aten.unbind.int, aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default}
 VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
          aten.squeeze.dim, aten.expand.default, aten.permute.default, aten.t.default,
-         aten.transpose.int, aten.select.int, aten.slice.Tensor, aten.dropout.default}
-_VIEW_RULES = {aten.dropout.default: lambda n: len(n.args) > 2 and n.args[2] is False}
+         aten.transpose.int, aten.select.int, aten.slice.Tensor, aten.alias.default,
+         aten.dropout.default, aten.to.dtype, aten.to.device, operator.getitem, *MULTI_VIEWS}
+_VIEW_RULES = {aten.dropout.default: lambda n: len(n.args) > 2 and n.args[2] is False,
+               aten.to.dtype: _same_dtype_to, aten.to.device: _same_dtype_to,
+               operator.getitem: lambda n: isinstance(n.args[0], Node) and n.args[0].target in MULTI_VIEWS}
+
+
+def _values(node: Node) -> list:
+    v = node.meta.get("val")
+    return list(v) if node.target in MULTI_VIEWS and isinstance(v, (list, tuple)) else [val(node)]
 
 
 def fusible(node: Node) -> bool:
-    """Whether ``node`` may be part of a fused region."""
-    if node.op != "call_function":
+    """Whether ``node`` may be part of a fused region: a kernel of ``EXACT_OPS`` or a view."""
+    if node.op != "call_function" or (node.target not in EXACT_OPS and node.target not in VIEWS):
         return False
-    rule = EXACT_OPS.get(node.target)
-    if rule is None and node.target not in VIEWS:
+    outs = _values(node)
+    if not outs or any(not isinstance(v, torch.Tensor) or v.dtype not in DTYPES for v in outs):
         return False
-    v = val(node)
-    if v is None or v.dtype not in DTYPES:
-        return False
-    if any(val(a) is None or val(a).dtype not in DTYPES or val(a).device != v.device
+    if any(val(a) is None or val(a).dtype not in DTYPES or val(a).device != outs[0].device
            for a in node.all_input_nodes):
         return False
-    if rule is None:
-        return _VIEW_RULES.get(node.target, _always)(node)
-    return rule(node)
+    return is_kernel(node) or (node.target in VIEWS and _VIEW_RULES.get(node.target, _always)(node))
+
+
+def is_kernel(node: Node) -> bool:
+    """A fusible op of ``EXACT_OPS`` on dtypes it is exact for (a fusible node that is not one is
+    a view)."""
+    entry = EXACT_OPS.get(node.target)
+    if entry is None:
+        return False
+    kinds, rule = entry
+    operands = node.all_input_nodes[1:] if node.target is aten.where.self else node.all_input_nodes
+    return all(val(a).dtype in kinds for a in operands) and rule(node)
 
 
 def fuse_exact(gm: GraphModule, ctx: PassContext) -> PassResult:
@@ -130,9 +191,9 @@ def fuse_exact(gm: GraphModule, ctx: PassContext) -> PassResult:
     counters = getattr(ctx, "counters", None)
     made = 0
     for run in runs:
-        while run and run[-1].target in VIEWS:    # a run ends on a kernel
+        while run and not is_kernel(run[-1]):    # a run ends on a kernel
             run.pop()
-        kernels = [n for n in run if n.target not in VIEWS]
+        kernels = [n for n in run if is_kernel(n)]
         if len(kernels) < MIN_KERNELS:
             continue
         name = f"fused_{made}"
@@ -165,7 +226,7 @@ def _replace(gm: GraphModule, run: List[Node], name: str, counters) -> None:
     def output_of(n: Node) -> None:
         if n not in members:
             return
-        if n.target in VIEWS:
+        if not is_kernel(n):
             for a in n.all_input_nodes:
                 output_of(a)
         elif n not in outputs:
@@ -184,7 +245,7 @@ def _replace(gm: GraphModule, run: List[Node], name: str, counters) -> None:
     sub.output(tuple(env[o] for o in outputs))
     stock = graph_module(torch.nn.Module(), sub, class_name=name)
     gm.add_submodule(name, FusedRegion(stock, name, [str(n.target) for n in run
-                                                   if n.target not in VIEWS], counters))
+                                                   if is_kernel(n)], counters))
     last = run[-1]
     outside: Dict[Node, Node] = {}
     with gm.graph.inserting_after(last):

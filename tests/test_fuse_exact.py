@@ -183,8 +183,14 @@ gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason
 
 def _edges(dtype, n=4096, seed=0):
     """Random values of several magnitudes, with ±0, subnormals, ±inf, NaN payloads, ±3e38,
-    ±88.7 planted at the front."""
+    ±88.7 planted at the front (integers: 0, ±1, ±7, the extremes)."""
     g = torch.Generator().manual_seed(seed)
+    if dtype in (torch.int64, torch.int32, torch.bool):
+        x = torch.randint(-2 ** 30, 2 ** 30, (n,), generator=g, dtype=torch.int64)
+        info = torch.iinfo(torch.int32 if dtype == torch.int32 else torch.int64)
+        planted = torch.tensor([0, 1, -1, 7, -7, info.max, info.min], dtype=torch.int64)
+        x[:len(planted)] = planted
+        return (x > 0 if dtype == torch.bool else x.to(dtype)).cuda()
     x = torch.randn(n, generator=g) * torch.logspace(-6, 6, n).index_select(0, torch.randperm(n, generator=g))
     planted = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3e-39, float("inf"), float("-inf"),
                             float("nan"), 3e38, -3e38, 88.7, -88.7, 1.0, -1.0, 0.5, 1e-7])
@@ -195,37 +201,64 @@ def _edges(dtype, n=4096, seed=0):
     return x.cuda()
 
 
-UNARY = {aten.neg.default, aten.abs.default, aten.exp.default, aten.tanh.default, aten.sin.default,
-         aten.cos.default, aten.sqrt.default, aten.rsqrt.default, aten.sigmoid.default,
-         aten.silu.default, aten.logical_not.default}
+def _dtypes(op):
+    from cadence_fx.passes.fuse_exact import FLOAT, INT
+    kinds = EXACT_OPS[op][0]
+    out = [torch.float32, torch.bfloat16] if set(FLOAT) <= set(kinds) else []
+    out += [torch.int64] if set(INT) <= set(kinds) else []
+    return out or [torch.bool]
 
 
-def _op_case(op):
-    if op in UNARY:
-        return lambda a, b: op(a)
-    if op is aten._to_copy.default:   # widening only (the pass keeps narrowing casts stock)
-        return lambda a, b: op(a, dtype=torch.float32)
+def _op_case(op, dtype):
+    """``(fn, make_inputs)``: the op as a model calls it, on inputs of ``dtype``."""
+    cmp = op.overloadpacket in (aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge)
+    scalar = 0.5 if dtype.is_floating_point else 3
+    if cmp and op._overloadname == "Scalar" or op is aten.full_like.default:
+        return lambda a, b: op(a, scalar)
+    if op is aten.remainder.Scalar:
+        return lambda a, b: (op(a, 7), op(a, -3))
+    if op is aten.pow.Tensor_Scalar:
+        return lambda a, b: op(a, 2)
+    if op in (aten.cat.default, aten.stack.default):
+        return lambda a, b: op([a, b], 0)
     if op is aten.where.self:
         return lambda a, b: op(a > b, a, b)
-    if op.overloadpacket in (aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge) and "Scalar" in op._overloadname:
-        return lambda a, b: op(a, 0.5)
     if op in (aten.logical_and.default, aten.logical_or.default):
-        return lambda a, b: op(a > 0, b > 0)
+        return lambda a, b: op(a > b, b > a)
+    if op in (aten._to_copy.default, aten.to.dtype, aten.to.device):
+        to = {torch.bfloat16: torch.float32, torch.float32: torch.bool}[dtype]
+        if op is aten._to_copy.default:
+            return lambda a, b: op(a, dtype=to)
+        return lambda a, b: op(a, to) if op is aten.to.dtype else op(a, a.device, to)
+    if len(op._schema.arguments) == 1 or op in (aten.silu.default,):
+        return lambda a, b: op(a)
     return lambda a, b: op(a, b)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("op", sorted(EXACT_OPS, key=str), ids=str)
+_CASES = [(op, dt) for op in sorted(EXACT_OPS, key=str) for dt in _dtypes(op)
+          if not (op in (aten._to_copy.default, aten.to.dtype, aten.to.device) and dt == torch.int64)]
+
+
+@pytest.mark.parametrize("op,dtype", _CASES, ids=[f"{op}-{dt}" for op, dt in _CASES])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_each_whitelisted_op_fused_is_atens_bits_on_the_device(op, dtype):
-    fn = _op_case(op)
+    """The op alone, compiled as a region and compared bit for bit with ATen's kernel on three
+    pairings of edge inputs (one of them makes NaNs: inf - inf, 0 * inf)."""
+    fn = _op_case(op, dtype)
     a, b = _edges(dtype, seed=1), _edges(dtype, seed=2).flip(0)
-    gm = torch.fx.experimental.proxy_tensor.make_fx(lambda a, b: (fn(a, b) * 1,))(a, b)   # two kernels
-    region = FusedRegion(gm, "probe", ["probe"])
-    expected = region(a, b)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(lambda a, b: tuple(pytree_leaves(fn(a, b))),
+                                                    pre_dispatch=True)(a, b)   # as cadence_fx traces
+    assert any(n.target is op for n in gm.graph.nodes)
+    region = FusedRegion(gm, "probe", [str(op)])
+    region(a, b)
     assert region.state == "fused", region.reason
-    assert fusion._difference(expected, region(a, b)) is None
+    for x, y in ((a, a.roll(1)), (a, a), (b, _edges(dtype, seed=3))):
+        assert fusion._difference(gm(x, y), region(x, y)) is None
+
+
+def pytree_leaves(x):
+    return list(x) if isinstance(x, tuple) else [x]
 
 
 CHAINS = {
