@@ -16,6 +16,7 @@ States of a region: pending -> fused (verified) or stock (with the reason).
 """
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Callable, List, Optional, Sequence
 
@@ -60,8 +61,28 @@ def compile_region(module: torch.fx.GraphModule, args: Sequence) -> Callable:
     key = _key(module, args)
     if key not in _COMPILED:
         with config.patch(_numerics()), torch.no_grad():
-            _COMPILED[key] = torch._inductor.compile(module, list(args))
+            _COMPILED[key] = torch._inductor.compile(inductor_form(module), list(args))
     return _COMPILED[key]
+
+
+def inductor_form(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The region as Inductor must see it to compute what ATen's kernels compute: a division by
+    a Python number becomes the product with its reciprocal, made in the kernel's precision
+    (ATen's ``div_true_kernel_cuda`` multiplies by ``opmath(1) / opmath(b)``; Inductor would
+    divide). The region's own graph is left as it is: the verification runs that one."""
+    divs = [n for n in module.graph.nodes if n.op == "call_function"
+            and n.target is torch.ops.aten.div.Tensor and len(n.args) == 2
+            and isinstance(n.args[1], (int, float)) and not n.kwargs]
+    if not divs:
+        return module
+    gm = torch.fx.GraphModule(module, copy.deepcopy(module.graph))
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.div.Tensor and len(n.args) == 2 \
+                and isinstance(n.args[1], (int, float)) and not n.kwargs:
+            one, b = torch.tensor(1.0, dtype=torch.float32), torch.tensor(float(n.args[1]), dtype=torch.float32)
+            n.target, n.args = torch.ops.aten.mul.Tensor, (n.args[0], float(one / b))
+    gm.recompile()
+    return gm
 
 
 _COMPILED: dict = {}

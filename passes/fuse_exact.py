@@ -22,8 +22,9 @@ and views that launch no kernel. What stays out, and why:
   is +0; the device's arithmetic makes a NaN canonical);
 * anything in place: its order against the carry's writes is the graph's.
 
-A region is a maximal run of such nodes in graph order (so no path leaves it and comes back),
-with at least two kernels (one kernel gains nothing). Its outputs are the values used after it; a
+A region is a set of such nodes that can run as one at the place of its last node
+(``regions_in_order``: nothing outside reads its values before that, nothing is written in
+between, so no path leaves it and comes back), with at least two kernels (one gains nothing). Its outputs are the values used after it; a
 view used after it is made again outside from the region's output. Regions are fused on device
 steps only (``cadence_fx.fusion.DEVICES``): on the CPU, Inductor's C++ is not held to the stock numerics. Invariant:
 the graph computes what it computed; each region decides at run time, on the class's real inputs,
@@ -31,6 +32,7 @@ whether it runs fused (``torch.equal`` of every output's bits, dtype and strides
 """
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -41,7 +43,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from cadence_fx.context import PassContext
 from cadence_fx import fusion
 from cadence_fx.fusion import FusedRegion
-from cadence_fx.fx_utils import aten, graph_module, val
+from cadence_fx.fx_utils import aten, graph_module, is_mutating, val
 
 __all__ = ["fuse_exact", "EXACT_OPS", "VIEWS", "fusible", "is_kernel"]
 
@@ -66,10 +68,16 @@ def _no_unit(n: Node) -> bool:
     return not _identity(n, 1)
 
 
-def _device_divisor(n: Node) -> bool:
+def _divisor(n: Node) -> bool:
+    """Division by a device tensor (div_rn on both sides) or by a Python number, which ATen
+    computes as a product with its reciprocal (``fusion.inductor_form`` gives Inductor the same
+    product); not by a host tensor."""
     d = n.args[1] if len(n.args) > 1 else None
-    return (isinstance(d, Node) and val(d) is not None and val(d).device.type != "cpu"
-            and not n.kwargs.get("rounding_mode"))
+    if n.kwargs.get("rounding_mode"):
+        return False
+    if isinstance(d, Node):
+        return val(d) is not None and val(d).device.type != "cpu"
+    return isinstance(d, (int, float)) and not isinstance(d, bool) and d != 1
 
 
 def _cast_to(n: Node) -> Optional[torch.dtype]:
@@ -83,15 +91,15 @@ def _cast_to(n: Node) -> Optional[torch.dtype]:
     return None
 
 
-def _widening_cast(n: Node) -> bool:
-    """A cast that loses nothing (bf16/fp16 -> fp32, int32 -> int64, anything -> bool): ATen's
-    narrowing fp32 -> bf16 turns every NaN into the canonical one, the device's conversion
-    instruction keeps its payload."""
+def _cast(n: Node) -> bool:
+    """A cast on the device between floating dtypes, to a wider integer, from an integer to a
+    floating dtype, or to bool: one correctly rounded conversion per element on both sides.
+    Floating to integer stays stock (NaN and out-of-range values are undefined)."""
     x, to = val(n.args[0]), _cast_to(n)
     if to is None or val(n).device != x.device or to == x.dtype:   # same dtype: ``to`` returns its input (a view, below)
         return False
-    return (to is torch.bool or (to is torch.float32 and x.dtype in FLOAT)
-            or (to is torch.int64 and x.dtype in INT))
+    return (to is torch.bool or to in FLOAT and x.dtype in FLOAT + INT + BOOL
+            or (to is torch.int64 and x.dtype in INT + BOOL))
 
 
 def _same_dtype_to(n: Node) -> bool:
@@ -114,9 +122,9 @@ def _always(n: Node) -> bool:
 _ARITH, _ANY = FLOAT + INT, DTYPES
 EXACT_OPS: Dict[torch._ops.OpOverload, Tuple[tuple, Callable[[Node], bool]]] = {
     aten.add.Tensor: (_ARITH, _unit_alpha), aten.sub.Tensor: (_ARITH, _unit_alpha),
-    aten.mul.Tensor: (_ARITH, _no_unit), aten.div.Tensor: (FLOAT, _device_divisor),
+    aten.mul.Tensor: (_ARITH, _no_unit), aten.div.Tensor: (FLOAT, _divisor),
     aten.cat.default: (_ANY, _always), aten.stack.default: (_ANY, _always),   # copies
-    aten.neg.default: (_ARITH, _always), aten.abs.default: (_ARITH, _always),
+    aten.clamp.default: (_ARITH, _always), aten.clone.default: (_ANY, lambda n: not n.kwargs),
     aten.remainder.Scalar: (INT, lambda n: n.args[1] != 0),   # Python's modulo on both sides
     aten.pow.Tensor_Scalar: (FLOAT, _square),
     aten.where.self: (_ANY, _always), aten.full_like.default: (_ANY, _always),
@@ -126,12 +134,12 @@ EXACT_OPS: Dict[torch._ops.OpOverload, Tuple[tuple, Callable[[Node], bool]]] = {
     aten.logical_or.default: (_ANY, _always),
     aten.__and__.Tensor: (INT + BOOL, _always), aten.__or__.Tensor: (INT + BOOL, _always),
     aten.bitwise_and.Tensor: (INT + BOOL, _always), aten.bitwise_or.Tensor: (INT + BOOL, _always),
-    aten._to_copy.default: (_ANY, _widening_cast), aten.to.dtype: (_ANY, _widening_cast),
-    aten.to.device: (_ANY, _widening_cast),
+    aten._to_copy.default: (_ANY, _cast), aten.to.dtype: (_ANY, _cast),
+    aten.to.device: (_ANY, _cast),
     aten.exp.default: (FLOAT, _always), aten.tanh.default: (FLOAT, _always),
     aten.sin.default: (FLOAT, _always), aten.cos.default: (FLOAT, _always),
     aten.sqrt.default: (FLOAT, _always), aten.rsqrt.default: (FLOAT, _always),
-    aten.sigmoid.default: (FLOAT, _always), aten.silu.default: (FLOAT, _always),
+    aten.silu.default: (FLOAT, _always),
 }
 # views, and ops that are views at inference: no kernel of their own (a reshape that must copy is
 # a copy, exact either way); inside a region only. Ops with several outputs (unbind, chunk,
@@ -182,12 +190,7 @@ def fuse_exact(gm: GraphModule, ctx: PassContext) -> PassResult:
         records["skipped"] = (f"fusion is for device steps ({', '.join(fusion.DEVICES)}); this step "
                               f"runs on {device}")
         return PassResult(gm, False)
-    runs: List[List[Node]] = [[]]
-    for n in gm.graph.nodes:
-        if fusible(n):
-            runs[-1].append(n)
-        elif runs[-1]:
-            runs.append([])
+    runs = regions_in_order(gm.graph)
     counters = getattr(ctx, "counters", None)
     made = 0
     for run in runs:
@@ -202,6 +205,41 @@ def fuse_exact(gm: GraphModule, ctx: PassContext) -> PassResult:
                                    "ops": sorted({n.target.__name__ for n in kernels})})
         made += 1
     return PassResult(gm, made > 0)
+
+
+def regions_in_order(graph) -> List[List[Node]]:
+    """The fusible nodes grouped into regions, each in graph order. A region stays open while
+    nothing outside it has read any of its values, and no write has happened since it opened;
+    a fusible node joins the open regions it reads (merging them), else the latest open one,
+    else opens one. So the region
+    can run where its last node is: every value it reads exists by then, none of them has been
+    written in between, and nothing before that point needs its values."""
+    fresh = itertools.count()
+    owner: Dict[Node, int] = {}
+    members: Dict[int, List[Node]] = {}
+    open_: set = set()
+    for n in graph.nodes:
+        if fusible(n):
+            joined = sorted({owner[a] for a in n.all_input_nodes if owner.get(a) in open_})
+            if not joined and open_:             # independent of them: it may run with the latest
+                joined = [max(open_)]
+            rid = joined[0] if joined else next(fresh)
+            members.setdefault(rid, [])
+            for other in joined[1:]:             # n reads both: one region now
+                for m in members.pop(other):
+                    owner[m] = rid
+                    members[rid].append(m)
+                open_.discard(other)
+            members[rid].append(n)
+            owner[n] = rid
+            open_.add(rid)
+            continue
+        if n.op != "call_function" or is_mutating(n) or not isinstance(n.target, torch._ops.OpOverload):
+            open_.clear()                        # a write, a side effect, the output: all close
+        else:                                    # a stock kernel reading a region's value
+            open_.difference_update(owner[a] for a in n.all_input_nodes if a in owner)
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    return [sorted(ms, key=order.__getitem__) for _, ms in sorted(members.items())]
 
 
 def _device(gm: GraphModule) -> str:

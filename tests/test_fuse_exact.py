@@ -133,17 +133,29 @@ def test_the_whitelist_keeps_out_what_stock_computes_differently():
     assert fusible(_node(lambda a, b: a * b, x, y))
     assert not fusible(_node(lambda a, b: torch.add(a, b, alpha=2), x, y))   # may contract to FMA
     assert not fusible(_node(lambda a, b: torch.sub(a, b, alpha=0.5), x, y))
-    assert not fusible(_node(lambda a: a / 3.0, x))                     # multiplied by 1/3 in ATen
+    assert fusible(_node(lambda a: a / 3.0, x))        # as ATen computes it: a * (1 / 3) in fp32
+    assert not fusible(_node(lambda a: a + 0, x)) and not fusible(_node(lambda a: a * 1, x))
+    assert not fusible(_node(lambda a: a.int(), x))                      # NaN, inf: undefined
     assert not fusible(_node(lambda a: torch.nn.functional.gelu(a), x))  # erf: never exact fused
     assert not fusible(_node(lambda a: torch.softmax(a, 0), x))
     assert not fusible(_node(lambda a: a.double() + 1, x))              # dtype not a model's
     assert not fusible(_node(lambda a: a.add_(1), x))                    # in place: order matters
-    assert not fusible(_node(lambda a: a.to(torch.bfloat16), x))        # NaNs made canonical
     assert fusible(_node(lambda a: a.float(), x.to(torch.bfloat16)))
+    assert fusible(_node(lambda a: a.to(torch.bfloat16), x))
     # division by a device tensor is div_rn on both sides; on the CPU the divisor is on the host
     gm = torch.fx.experimental.proxy_tensor.make_fx(lambda a, b: a / b)(x, y)
     div = next(n for n in gm.graph.nodes if n.target is aten.div.Tensor)
     assert not fusible(div)
+
+
+def test_inductor_sees_a_division_by_a_number_as_atens_product_with_its_reciprocal():
+    x = torch.randn(8)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(lambda a: (a / 3.0 + a,))(x)
+    form = fusion.inductor_form(gm)
+    ops = [(n.target, n.args[1]) for n in form.graph.nodes if n.op == "call_function"]
+    inverse = (torch.tensor(1.0) / torch.tensor(3.0)).item()    # in fp32, as the kernel's opmath
+    assert ops[0] == (aten.mul.Tensor, inverse) and inverse != 1 / 3
+    assert any(n.target is aten.div.Tensor for n in gm.graph.nodes)   # the region keeps its own
 
 
 def test_region_rewrite_keeps_views_used_after_it(fuse_on_cpu):
@@ -217,6 +229,10 @@ def _op_case(op, dtype):
         return lambda a, b: op(a, scalar)
     if op is aten.remainder.Scalar:
         return lambda a, b: (op(a, 7), op(a, -3))
+    if op is aten.clamp.default:
+        return lambda a, b: (op(a, -1.5, 2.0), op(a, 0.0, None)) if dtype.is_floating_point else op(a, -5, 5)
+    if op is aten.clone.default:
+        return lambda a, b: op(a.t() if a.dim() == 2 else a)
     if op is aten.pow.Tensor_Scalar:
         return lambda a, b: op(a, 2)
     if op in (aten.cat.default, aten.stack.default):
@@ -226,7 +242,7 @@ def _op_case(op, dtype):
     if op in (aten.logical_and.default, aten.logical_or.default):
         return lambda a, b: op(a > b, b > a)
     if op in (aten._to_copy.default, aten.to.dtype, aten.to.device):
-        to = {torch.bfloat16: torch.float32, torch.float32: torch.bool}[dtype]
+        to = {torch.bfloat16: torch.float32, torch.float32: torch.bfloat16}[dtype]
         if op is aten._to_copy.default:
             return lambda a, b: op(a, dtype=to)
         return lambda a, b: op(a, to) if op is aten.to.dtype else op(a, a.device, to)
@@ -267,6 +283,8 @@ CHAINS = {
     "silu_mul": lambda a, b, c: torch.nn.functional.silu(a) * b,
     "euler": lambda x, dt, v: x + dt * v,
     "cfg": lambda a, w, b: (1 + w) * a - w * b,
+    "div_number": lambda x, y, z: x / 0.7 + y * z,
+    "rms_tail": lambda x, r, w: (x.float() * r).to(x.dtype) * w,
     "rope": lambda x, cos, sin: x * cos + torch.cat([-x[..., 8:], x[..., :8]], -1) * sin,
 }
 
