@@ -50,7 +50,8 @@ if [[ $STEP == all || $STEP == demo ]]; then
   done
 fi
 if [[ $STEP == moshi ]]; then
-  python3 bench/moshi_frame.py --out "$OUT/moshi-frame.json" ${BENCH_ARGS//+/ } 2>&1 | tail -80
+  # E, cadence_fx and the vendor path, each in a process of its own (bench/suite_moshi.py)
+  python3 bench/suite_moshi.py --out "$OUT/moshi-frame.json" ${BENCH_ARGS//+/ } 2>&1 | tail -80
 fi
 if [[ $STEP == chunk ]]; then
   python3 bench/token2wav_chunk.py --out "$OUT/token2wav-chunk.json" ${BENCH_ARGS//+/ } 2>&1 | tail -60

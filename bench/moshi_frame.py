@@ -1,26 +1,32 @@
 """Moshi full frame on one GPU: stock eager, the vendor's own CUDA-graph path, and cadence_fx.
 
     python bench/moshi_frame.py --out moshi.json [--streams 8] [--frames 12] [--small]
+                                [--configs E,cadence,V] [--ref e-outputs.pt] [--no-fuse]
 
 A frame is what ``moshi/server.py`` does per 1920 samples: Mimi encode, ``LMGen.step`` (7B LM,
 bf16, sampling with top-k), Mimi decode of the generated audio tokens. Each stream has a turn
 boundary in the middle (``reset_streaming`` for the stock paths, a fresh state for cadence_fx)
 and starts from its own seed, so the three paths draw the same random numbers.
 
-Configurations, all in one process and one run, in the order E, cadence_fx, V (the compiled step
-is closed -- its modules leave streaming -- and its carries and graphs are freed before V runs;
-each row records what was allocated when its peak was reset):
+Configurations, in the order E, cadence_fx, V, all in one process (the compiled step is closed --
+its modules leave streaming -- and its carries and graphs are freed before V runs; each row
+records what was allocated when its peak was reset), or each in a process of its own
+(``--configs`` names the rows a process runs; E writes its outputs to ``--ref``, the others read
+them there; ``bench/suite_moshi.py`` runs them so):
 
 * ``E``: stock eager (the vendor's ``CUDAGraphed`` and lazy ``torch.compile`` switched off by its
   own switches) -- the bit-exact reference.
 * ``V``: the vendor path as shipped: ``CUDAGraphed`` Mimi encoder/decoder/transformers and LM
   main/depth steps, with its lazy ``torch.compile`` of rope, RMS norm and gating. Streaming is
   entered once and reset between streams, as a server does; a warm-up stream captures first.
-* ``cadence``: ``MoshiStep`` compiled by cadence_fx; a warm-up stream traces and captures.
+* ``cadence``: ``MoshiStep`` compiled by cadence_fx as shipped (exact fusion on; ``--no-fuse``
+  without it); a warm-up stream traces, fuses and captures.
 
 Per configuration: per-frame p50/p95 (CUDA events, timed streams only), frames bit-exact against
 E (``torch.equal`` on PCM and tokens), peak memory (``max_memory_allocated``/``memory_reserved``
-over the timed streams), and the kernel-time floor of E (the profiler's sum of GPU kernel time per
+over the timed streams; ``process_peak_bytes``: the most the process has had allocated since it
+started, model, compile and capture included -- the number to compare with rows in processes
+of their own), and the kernel-time floor of E (the profiler's sum of GPU kernel time per
 frame over the first six frames of a stream); for cadence_fx also its own kernel time and kernels
 per frame over the same six frames (``kernel_ms``, ``kernels``) and the device graphs launched per
 timed frame (``graph_launches_per_frame``).
@@ -90,9 +96,19 @@ def memory():
             "allocated_at_start_bytes": _start["allocated"]}
 
 
+def process_peak():
+    """The most this process has had allocated on the device since it started (model included),
+    across the peak resets of the rows."""
+    if not CUDA:
+        return None
+    _start["process_peak"] = max(_start.get("process_peak", 0), torch.cuda.max_memory_allocated())
+    return _start["process_peak"]
+
+
 def reset_peak():
     if CUDA:
         torch.cuda.synchronize()
+        process_peak()
         torch.cuda.reset_peak_memory_stats()
         _start["allocated"] = torch.cuda.memory_allocated()
 
@@ -199,14 +215,24 @@ def kernel_floor_ms(fn, frames):
     return total_us / 1e3 / frames, kernels / frames
 
 
-def main():
+def _parser():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--frames", type=int, default=12)
     ap.add_argument("--small", action="store_true", help="2-layer LM (a quick check)")
     ap.add_argument("--skip-vendor", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--configs", default="E,cadence,V",
+                    help="the rows this process runs (always in the order E, cadence, V)")
+    ap.add_argument("--ref", help="E's outputs: written by a process that runs E, read by one "
+                                  "that does not (each row in a process of its own)")
+    ap.add_argument("--no-fuse", action="store_true", help="cadence without exact fusion")
+    return ap
+
+
+def main():
+    args = _parser().parse_args()
+    configs = args.configs.split(",")
     dev = torch.device("cuda" if CUDA else "cpu")
     t0 = time.perf_counter()
     mimi = M.build_mimi(device=dev)
@@ -223,21 +249,56 @@ def main():
               "commit": os.environ.get("CADENCE_COMMIT", "unknown"),
               "lm": "2-layer (SMALL_LM) fp32" if args.small else "7B bf16 (loaders._lm_kwargs)",
               "streams": args.streams, "frames_per_stream": args.frames, "reset_at": reset_at,
-              "build_s": build_s}
+              "build_s": build_s, "configs": configs,
+              "model_bytes": torch.cuda.memory_allocated() if CUDA else None}
 
-    # E: plain eager, the reference
-    stock_streams(mimi, lm_gen, warm, reset_at, as_shipped=False)
-    ref, e = timed(lambda t: stock_streams(mimi, lm_gen, timed_streams, reset_at, False, t))
-    e["bit_exact_frames"] = exact_frames(ref, ref)
-    floor, kernels = kernel_floor_ms(
-        lambda: stock_streams(mimi, lm_gen, [timed_streams[0][:6]], reset_at=99, as_shipped=False), 6)
-    e.update(floor_ms=floor, kernels_per_frame=kernels, status="ok")
-    result["E"] = e
+    if "E" in configs:   # plain eager, the reference
+        stock_streams(mimi, lm_gen, warm, reset_at, as_shipped=False)
+        ref, e = timed(lambda t: stock_streams(mimi, lm_gen, timed_streams, reset_at, False, t))
+        e["bit_exact_frames"] = exact_frames(ref, ref)
+        floor, kernels = kernel_floor_ms(
+            lambda: stock_streams(mimi, lm_gen, [timed_streams[0][:6]], reset_at=99, as_shipped=False), 6)
+        e.update(floor_ms=floor, kernels_per_frame=kernels, status="ok", process_peak_bytes=process_peak())
+        result["E"] = e
+        if args.ref:
+            torch.save([[tuple(None if t is None else t.cpu() for t in f) for f in s] for s in ref], args.ref)
+    else:
+        ref = [[tuple(None if t is None else t.to(dev) for t in f) for f in s]
+               for s in torch.load(args.ref)]
 
-    # cadence_fx
+    if "cadence" in configs:
+        result["cadence"] = cadence_row(mimi, lm_gen, args, warm, timed_streams, reset_at, ref,
+                                        result.get("E"))
+
+    if "V" in configs and not args.skip_vendor:   # the vendor's CUDAGraphed path as shipped
+        try:
+            t1 = time.perf_counter()
+            v_ticks = Ticks()
+            vendor_outs = stock_streams(mimi, lm_gen, timed_streams, reset_at, True, v_ticks, warm=warm)
+            v = {"p50_ms": statistics.median(v_ticks.times), "p95_ms": p95(v_ticks.times),
+                 **memory(), "frames": len(v_ticks.times),
+                 "wall_s_incl_capture": time.perf_counter() - t1,
+                 "bit_exact_frames": exact_frames(ref, vendor_outs), "status": "ok",
+                 "process_peak_bytes": process_peak()}
+        except Exception as ex:  # noqa: BLE001 - recorded, the run goes on
+            v = {"status": f"failed: {type(ex).__name__}: {str(ex).splitlines()[0][:300]}"}
+        result["V"] = v
+
+    c = result.get("cadence")
+    if c and "p50_ms" in result.get("V", {}):
+        c["vs_V_p50"] = c["p50_ms"] / result["V"]["p50_ms"]
+    result["total_frames"] = args.streams * args.frames
+    print(json.dumps(result, indent=1))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def cadence_row(mimi, lm_gen, args, warm, timed_streams, reset_at, ref, e):
+    """``MoshiStep`` compiled by cadence_fx (the shipped default: exact fusion on), measured;
+    then closed and freed, so a later row in this process does not count its memory."""
     step = M.MoshiStep(mimi, lm_gen)
     adapter = M.moshi_adapter(M.SMALL_LM if args.small else None)
-    compiled = cadence_fx.compile(step, adapter)
+    compiled = cadence_fx.compile(step, adapter, fuse=not args.no_fuse)
     t1 = time.perf_counter()
     cadence_streams(step, compiled, warm, reset_at)   # traces and captures every class
     compile_s = time.perf_counter() - t1
@@ -248,16 +309,18 @@ def main():
              warm_stream_s=compile_s, classes=len(compiled.classes), traces=k.traces,
              capture_s=getattr(compiled.backend, "capture_seconds", None),
              steady_replays=k.replays - before[0], steady_fallbacks=k.fallbacks - before[1],
-             eager_pieces=k.eager_pieces, status="ok",
-             fallback_reasons=dict(k.reasons))
+             eager_pieces=k.eager_pieces, fused_regions=k.fused_regions,
+             fusions_refused=k.fusions_refused, fuse=not args.no_fuse, status="ok",
+             fallback_reasons=dict(k.reasons), process_peak_bytes=process_peak())
     c["graph_launches_per_frame"] = c["steady_replays"] / c["frames"]
     # the same six frames as E's floor: its own kernel time and kernels per frame (the kernels a
     # replayed graph launches are traced one by one)
     c["kernel_ms"], c["kernels"] = kernel_floor_ms(
         lambda: cadence_streams(step, compiled, [timed_streams[0][:6]], reset_at=99), 6)
-    c["speedup_vs_E_p50"] = e["p50_ms"] / c["p50_ms"]
-    c["vs_floor_p50"] = c["p50_ms"] / e["floor_ms"] if e["floor_ms"] else None
-    result["cadence"] = c
+    if e is not None:
+        c["speedup_vs_E_p50"] = e["p50_ms"] / c["p50_ms"]
+        c["floor_ms"] = e["floor_ms"]
+        c["vs_floor_p50"] = c["p50_ms"] / e["floor_ms"] if e["floor_ms"] else None
     # free what cadence_fx holds (carries, graphs, their pool) before the vendor path runs, so
     # neither row's peak counts the other's memory (each row has allocated_at_start_bytes)
     step.close()   # the modules leave streaming: the vendor path enters it again
@@ -266,27 +329,7 @@ def main():
     gc.collect()
     if CUDA:
         torch.cuda.empty_cache()
-
-    # V: the vendor's CUDAGraphed path as shipped (warm-up stream captures)
-    if not args.skip_vendor:
-        try:
-            t1 = time.perf_counter()
-            v_ticks = Ticks()
-            vendor_outs = stock_streams(mimi, lm_gen, timed_streams, reset_at, True, v_ticks, warm=warm)
-            v = {"p50_ms": statistics.median(v_ticks.times), "p95_ms": p95(v_ticks.times),
-                 **memory(), "frames": len(v_ticks.times),
-                 "wall_s_incl_capture": time.perf_counter() - t1,
-                 "bit_exact_frames": exact_frames(ref, vendor_outs), "status": "ok"}
-        except Exception as ex:  # noqa: BLE001 - recorded, the run goes on
-            v = {"status": f"failed: {type(ex).__name__}: {str(ex).splitlines()[0][:300]}"}
-        result["V"] = v
-
-    if "p50_ms" in result.get("V", {}):
-        c["vs_V_p50"] = c["p50_ms"] / result["V"]["p50_ms"]
-    result["total_frames"] = args.streams * args.frames
-    print(json.dumps(result, indent=1))
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    return c
 
 
 if __name__ == "__main__":

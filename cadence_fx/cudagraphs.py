@@ -7,6 +7,8 @@ reason.
   lowered only after the probationary stock call of its class (§3.4 (iii)) ran the same kernels
   at the same shapes on the device -- and rejected host randomness for the whole class -- so it
   is captured straight away, without running it first.
+* Fused regions (``fusion.py``) still pending are verified first, on one eager run made like
+  the warm-up's (side stream, everything it writes put back): verification syncs with the host.
 * Warm-up, when that capture fails for any reason but out-of-memory (a library setting itself up
   lazily, which it may not do under capture), or before every capture with ``warm_up=True``:
   the piece runs once eagerly on a side stream with every generator watched (host randomness
@@ -51,6 +53,7 @@ class CudaGraphBackend:
         self.capture_seconds = 0.0   # staging, capture and any warm-up of every piece
         self.warmup_seconds = 0.0    # of which the eager warm-up runs
         self.warmups = 0
+        self.verifications = 0       # eager runs that verified fused regions before a capture
         self.staging_bytes = 0
         self.graph_allocated_bytes = 0   # held by captured graphs: static outputs, staging
         self.graph_reserved_bytes = 0    # reserved by the shared pool, intermediates included
@@ -68,8 +71,9 @@ class CudaGraphBackend:
         end = torch.cuda.Event(enable_timing=True)
         start.record()
         if self.warm_up or pending_regions(piece.module):
-            # fused regions are verified (host syncs) on this eager run, before the capture
-            reason = self._warm_up(piece, args)
+            # fused regions are verified (host syncs) on an eager run like the warm-up's, before
+            # the capture; counted as a warm-up only when it is one
+            reason = self._warm_up(piece, args, verify=not self.warm_up)
             if reason:
                 return None, reason
         static = []
@@ -148,14 +152,18 @@ class CudaGraphBackend:
             raise
         return graph, outs
 
-    def _warm_up(self, piece, args) -> Optional[str]:
+    def _warm_up(self, piece, args, verify: bool = False) -> Optional[str]:
         """Run the piece once eagerly on a side stream with every generator watched, then put
-        back the generators and everything it writes. Returns why it may not be captured."""
+        back the generators and everything it writes. Returns why it may not be captured.
+        ``verify``: the run is for the piece's fused regions (counted in ``verifications``)."""
         written = [a for a, w in zip(args, piece.mutated) if w and isinstance(a, torch.Tensor)]
         written += mutated_attributes(piece.module)  # module state the warm-up must not advance
         state, rng = TensorSnapshot(written), RngSnapshot()
         start = time.perf_counter()
-        self.warmups += 1
+        if verify:
+            self.verifications += 1
+        else:
+            self.warmups += 1
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())

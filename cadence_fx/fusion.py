@@ -176,7 +176,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def regions(module: torch.nn.Module) -> List[FusedRegion]:
+def regions(module) -> List[FusedRegion]:
+    if not isinstance(module, torch.nn.Module):
+        return []
     return [m for m in module.modules() if isinstance(m, FusedRegion)]
 
 

@@ -4,7 +4,8 @@ Order matters and is fixed: constants first (so host work leaves the graph befor
 host-side checks on those constants made once, the carry pass next (it introduces the in-place
 writes), masked writes as selects (so they need not split the graph), pointwise runs as fused
 regions (after every rewrite that adds ops, before the pieces are cut), then the shape-enumeration
-partition, and the lowering last (it is the only pass that adds runtime state). One flag per pass.
+partition, and the lowering last (it adds the pieces' runtime state; the fused regions hold the
+only other). One flag per pass.
 """
 from __future__ import annotations
 

@@ -8,27 +8,32 @@ the DiT block's adaLN modulation and gated residual, Moshi's RoPE::
 
 GEMMs, convolutions, reductions (norms, softmax), copies into the carry and everything else stay
 the stock kernels. A region holds only ops of ``EXACT_OPS``, whose fused form is the same
-arithmetic as ATen's kernel -- one correctly rounded IEEE operation per element (add, sub, mul,
-division by a device tensor, integer arithmetic, comparisons, selects, widening casts, fills,
-copies by ``cat``/``stack``), or the same formula through the same
-libdevice routine (exp, tanh, sin, cos, sqrt, rsqrt, sigmoid, silu) -- on dtypes the models use,
-and views that launch no kernel. What stays out, and why:
+arithmetic as ATen's kernel: no rounding at all (integer arithmetic, comparisons, selects, fills,
+copies by ``cat``/``stack``/``clone``), one correctly rounded IEEE operation per element (add,
+sub, mul, division, casts between floating dtypes), or the same formula through the same
+libdevice routine (exp, tanh, sin, cos, sqrt, rsqrt, silu) -- with Inductor held to eager
+numerics (``fusion.NUMERICS``: no FMA contraction, IEEE division, no flush-to-zero, every bf16
+round trip kept) -- and views that launch no kernel. Each op is checked against ATen's kernel on
+the device over edge inputs, per dtype (tests/test_fuse_exact.py). What stays out, and why:
 
 * ``add``/``sub`` with ``alpha`` != 1: ATen's kernel may contract ``a + alpha * b`` into an FMA;
-* division by a Python number or a host scalar: ATen multiplies by its reciprocal instead;
-* narrowing casts (fp32 -> bf16): ATen makes every NaN the canonical one, the device keeps payloads;
-* erf-GELU, softmax, LayerNorm, RMSNorm: never bit-exact when fused (a probe on the H200);
+* division by a host tensor: ATen multiplies by its reciprocal (a Python number is fine: Inductor
+  is given that same product, ``fusion.inductor_form``);
+* ``neg``, ``abs`` (a NaN's sign and payload), ``clamp`` (-0 against +0), ``sigmoid`` (another
+  formula): not ATen's bits on the H200; erf-GELU, softmax, LayerNorm, RMSNorm: never bit-exact
+  when fused; casts from floating to integer dtypes: undefined for NaN and out-of-range values;
 * ``x + 0``, ``x - 0``, ``x * 1`` with a literal: Inductor drops them, ATen computes them (-0 + 0
   is +0; the device's arithmetic makes a NaN canonical);
 * anything in place: its order against the carry's writes is the graph's.
 
 A region is a set of such nodes that can run as one at the place of its last node
 (``regions_in_order``: nothing outside reads its values before that, nothing is written in
-between, so no path leaves it and comes back), with at least two kernels (one gains nothing). Its outputs are the values used after it; a
-view used after it is made again outside from the region's output. Regions are fused on device
-steps only (``cadence_fx.fusion.DEVICES``): on the CPU, Inductor's C++ is not held to the stock numerics. Invariant:
-the graph computes what it computed; each region decides at run time, on the class's real inputs,
-whether it runs fused (``torch.equal`` of every output's bits, dtype and strides) or stock.
+between, so no path leaves it and comes back), with at least two kernels (one gains nothing).
+Its outputs are the values used after it; a view used after it is made again outside from the
+region's output. Regions are made on device steps only (``cadence_fx.fusion.DEVICES``): on the
+CPU, Inductor's C++ is not held to the stock numerics. Invariant: the graph computes what it
+computed; each region decides at run time, on the class's real inputs, whether it runs fused
+(the bits, dtype and strides of every output equal) or stock.
 """
 from __future__ import annotations
 
@@ -40,8 +45,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from cadence_fx.context import PassContext
 from cadence_fx import fusion
+from cadence_fx.context import PassContext
 from cadence_fx.fusion import FusedRegion
 from cadence_fx.fx_utils import aten, graph_module, is_mutating, val
 
@@ -124,7 +129,7 @@ EXACT_OPS: Dict[torch._ops.OpOverload, Tuple[tuple, Callable[[Node], bool]]] = {
     aten.add.Tensor: (_ARITH, _unit_alpha), aten.sub.Tensor: (_ARITH, _unit_alpha),
     aten.mul.Tensor: (_ARITH, _no_unit), aten.div.Tensor: (FLOAT, _divisor),
     aten.cat.default: (_ANY, _always), aten.stack.default: (_ANY, _always),   # copies
-    aten.clamp.default: (_ARITH, _always), aten.clone.default: (_ANY, lambda n: not n.kwargs),
+    aten.clone.default: (_ANY, lambda n: not n.kwargs),
     aten.remainder.Scalar: (INT, lambda n: n.args[1] != 0),   # Python's modulo on both sides
     aten.pow.Tensor_Scalar: (FLOAT, _square),
     aten.where.self: (_ANY, _always), aten.full_like.default: (_ANY, _always),
