@@ -4,7 +4,8 @@ encoder + CFM + retention) then HiFT, stock eager (E) against cadence_fx (SRc), 
 Deterministic kernels are pinned on both sides (stock HiFT is not reproducible without them) and
 every pass starts from the same CUDA generator state (``bench/token2wav_chunk.py``). E: one
 untimed pass, then ``--blocks`` timed passes. SRc: the flow compiled with
-``release_envelopes=True`` and HiFT compiled, one cold pass (``cold_compile_s``), then the same
+``release_envelopes=True`` and HiFT compiled, as shipped (exact fusion on, unlike the CFM part's
+SRc row), one cold pass (``cold_compile_s``), then the same
 timed passes, each compared with E's first block (mel and PCM, ``torch.equal``).
 
 Memory, per configuration: ``torch.cuda.reset_peak_memory_stats`` right before the timed passes

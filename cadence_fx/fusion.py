@@ -6,12 +6,15 @@ States of a region: pending -> fused (verified) or stock (with the reason).
 * A pending region is compiled on its first call, on the class's real inputs, by Inductor with
   eager numerics (``NUMERICS``): IEEE division, no flush-to-zero, every low-precision round trip
   kept, no FMA contraction, the CUDA toolkit's libdevice. Then both forms run on those inputs and
-  every output is compared with ``torch.equal`` plus its dtype, shape and strides; the call returns
-  the stock result either way. Equal: the region runs fused from then on. Different, or the compile
-  failed: it runs stock for good, and the reason is kept for the report.
+  every output is compared: its bits (``-0`` is not ``+0``, NaN payloads count), dtype, shape and
+  strides; the call returns the stock result either way. Equal: the region runs fused from then
+  on. Different, or the compile failed: it runs stock for good, and the reason is kept for the
+  report. One input is a sample: what makes the fused form exact on every input is that a region
+  holds only ops whose fused arithmetic is ATen's (``passes/fuse_exact.py``), each checked against
+  ATen over edge inputs on the device; the verification catches what that argument missed.
 * Verification syncs with the host, so it may not happen under capture: the device-graph backend
-  runs a piece whose regions are pending once eagerly first (its warm-up, which puts back
-  everything the piece writes), and captures the fused kernels after that.
+  runs a piece whose regions are pending once eagerly first (as its warm-up runs a piece: side
+  stream, everything the piece writes put back), and captures the fused kernels after that.
 * ``compile_region`` is the compiler; tests swap it to see a region refused.
 """
 from __future__ import annotations
@@ -49,16 +52,20 @@ def _numerics() -> dict:
     return {k: v for k, v in NUMERICS.items() if k in have}
 
 
-def compile_region(module: torch.fx.GraphModule, args: Sequence) -> Callable:
+def compile_region(module, args: Sequence, graph: Optional[tuple] = None) -> Callable:
     """Inductor's code for ``module`` at exactly these inputs' shapes, with eager numerics. A
-    region with the same ops on inputs of the same layout (the next layer's, the next Euler
-    step's) shares the code compiled first in this process."""
+    region with the same ops (``graph_key``; ``graph`` when known already) on inputs of the same
+    layout -- the next layer's, the next Euler step's -- shares the code compiled first in this
+    process. ``module`` may be a region loaded from the compile cache as code: it is traced
+    again only when no region like it was compiled yet."""
     import torch._inductor
     import torch._inductor.config as config
-    if not isinstance(module, torch.fx.GraphModule):   # loaded from the compile cache as code
-        from torch.fx.experimental.proxy_tensor import make_fx
-        module = make_fx(module)(*args)
-    key = _key(module, args)
+    if graph is None or (graph, layout_key(args)) not in _COMPILED:
+        if not isinstance(module, torch.fx.GraphModule):
+            from torch.fx.experimental.proxy_tensor import make_fx
+            module = make_fx(module, pre_dispatch=True)(*args)
+        graph = graph_key(module)
+    key = (graph, layout_key(args))
     if key not in _COMPILED:
         with config.patch(_numerics()), torch.no_grad():
             _COMPILED[key] = torch._inductor.compile(inductor_form(module), list(args))
@@ -88,26 +95,36 @@ def inductor_form(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
 _COMPILED: dict = {}
 
 
-def _key(module: torch.fx.GraphModule, args: Sequence) -> tuple:
-    """The region's ops with their arguments (earlier values by position) and its inputs' layout:
-    equal keys compute the same function of the inputs with the same code."""
+def graph_key(module: torch.fx.GraphModule) -> tuple:
+    """The region's ops with their arguments, earlier values by position: equal keys compute the
+    same function of their inputs."""
     index = {}
     ops = []
     for k, n in enumerate(module.graph.nodes):
         index[n] = k
         mapped = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: ("%", index[a]))
         ops.append((n.op, str(n.target) if n.op != "placeholder" else "", repr(mapped)))
-    layout = tuple((tuple(a.shape), a.stride(), a.dtype, str(a.device), a.data_ptr() % 16)
-                   if isinstance(a, torch.Tensor) else ("value", repr(a)) for a in args)
-    return tuple(ops), layout
+    return tuple(ops)
+
+
+def layout_key(args: Sequence) -> tuple:
+    """The inputs' layout as Inductor's code assumes it (alignment included), and the modes the
+    region was compiled under: Inductor traces it again under the autocast state of the call."""
+    modes = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cuda", "cpu"))
+    return modes + tuple((tuple(a.shape), a.stride(), a.dtype, str(a.device), a.data_ptr() % 16)
+                         if isinstance(a, torch.Tensor) else ("value", repr(a)) for a in args)
 
 
 class FusedRegion(torch.nn.Module):
     """One run of pointwise ops: ``stock`` is its graph (the stock kernels), ``ops`` what it holds."""
 
-    def __init__(self, stock: torch.fx.GraphModule, name: str, ops: Sequence[str], counters=None):
+    def __init__(self, stock: torch.fx.GraphModule, name: str, ops: Sequence[str], counters=None,
+                 graph: Optional[tuple] = None):
         super().__init__()
         self.stock = stock
+        # ``graph_key`` of the stock graph (a region loaded as code has no graph of its own)
+        self.graph = graph if graph is not None or not isinstance(stock, torch.fx.GraphModule) \
+            else graph_key(stock)
         self.region_name = name
         self.ops = list(ops)
         self.counters = counters
@@ -129,7 +146,7 @@ class FusedRegion(torch.nn.Module):
             raise RuntimeError(f"fused region {self.region_name} must be verified before capture")
         expected = self.stock(*args)
         try:
-            fused = compile_region(self.stock, args)
+            fused = compile_region(self.stock, args, self.graph)
             got = fused(*args)
         except Exception as e:  # noqa: BLE001 - the region stays stock, with the reason
             return self._refuse(f"compile failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",

@@ -47,6 +47,7 @@ class Report:
                                     for p in e.records["pieces"]],
                          "passes": e.records["passes"],
                          "staging_predicted": e.records.get("staging_predicted"),
+                         "fusion": _fusion(e),
                          "staging_bytes": sum(m.staging_bytes for m in e.gm.modules()
                                               if hasattr(m, "staging_bytes"))})
         return rows
@@ -108,6 +109,12 @@ class Report:
             out += [f"  constant    {k['name']} {k['shape']} {k['dtype']} on {k['device']}"
                     f"{' (was a host-to-device copy)' if k['host_to_device'] else ''}"
                     for k in cls["constants"]]
+            f = cls["fusion"]
+            if f["skipped"] or f["regions"]:
+                out.append(f"  fusion      {f['skipped']}" if f["skipped"] else
+                           f"  fusion      {f['regions']} regions ({f['kernels']} kernels): "
+                           f"{f['fused']} fused, {f['pending']} pending, {len(f['stock'])} stock")
+                out += [f"    {name} stock: {reason}" for name, reason in f["stock"][:5]]
             out += [f"  {p['name']:<11} {p['kind']:<5} {p['nodes']} nodes"
                     f"{'  eager: ' + '; '.join(p['reasons']) if p['reasons'] else ''}"
                     for p in cls["pieces"]]
@@ -124,3 +131,15 @@ class Report:
         from .report_html import page
         with open(path, "w", encoding="utf-8") as f:
             f.write(page({"": self}, f"cadence_fx report: {self.c.adapter.name}"))
+
+
+def _fusion(entry) -> dict:
+    """What exact fusion made of a class: its regions and their states (``fusion.py``)."""
+    from .fusion import regions
+    found = regions(entry.gm)
+    records = entry.records.get("fusion") or {}
+    return {"skipped": records.get("skipped"), "regions": len(found),
+            "kernels": sum(r.get("kernels", 0) for r in records.get("regions", [])),
+            "fused": sum(r.state == "fused" for r in found),
+            "pending": sum(r.state == "pending" for r in found),
+            "stock": [(r.region_name, r.reason) for r in found if r.state == "stock"]}

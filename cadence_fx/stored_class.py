@@ -105,7 +105,7 @@ def _freeze_module(gm, state: Dict[int, str]) -> dict:
                 "mutated": list(child.mutated), "escaping": list(child.escaping)},
                 "module": _freeze_module(child.module, state)}
         elif isinstance(child, FusedRegion):   # verified again where it is loaded
-            children[name] = {"fused": {"ops": list(child.ops)},
+            children[name] = {"fused": {"ops": list(child.ops), "graph": child.graph},
                               "module": _freeze_module(child.stock, state)}
         elif isinstance(child, torch.fx.GraphModule):
             children[name] = {"module": _freeze_module(child, state)}
@@ -198,7 +198,7 @@ def _thaw_module(cs, m: dict, state: Dict[str, torch.Tensor], label: str) -> Cod
         sub = _thaw_module(cs, child["module"], state, label)
         p = child.get("piece")
         if "fused" in child:
-            sub = FusedRegion(sub, name, child["fused"]["ops"], cs.counters)
+            sub = FusedRegion(sub, name, child["fused"]["ops"], cs.counters, child["fused"]["graph"])
         elif p is not None:
             sub = GuardedPiece(sub, name, p["kind"], p["reasons"], p["fixed"], p["mutated"],
                                p["escaping"], cs.backend, cs.counters, strict=cs.strict,

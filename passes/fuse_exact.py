@@ -239,10 +239,14 @@ def regions_in_order(graph) -> List[List[Node]]:
             owner[n] = rid
             open_.add(rid)
             continue
-        if n.op != "call_function" or is_mutating(n) or not isinstance(n.target, torch._ops.OpOverload):
-            open_.clear()                        # a write, a side effect, the output: all close
-        else:                                    # a stock kernel reading a region's value
+        if n.op in ("placeholder", "get_attr"):
+            continue
+        pure = n.op == "call_function" and not is_mutating(n) and (
+            isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem)
+        if pure:                                 # a stock kernel reading a region's value
             open_.difference_update(owner[a] for a in n.all_input_nodes if a in owner)
+        else:                                    # a write, a side effect, a mode switch (autocast,
+            open_.clear()                        # grad), the output: every region closes
     order = {n: k for k, n in enumerate(graph.nodes)}
     return [sorted(ms, key=order.__getitem__) for _, ms in sorted(members.items())]
 
@@ -321,10 +325,3 @@ def _replace(gm: GraphModule, run: List[Node], name: str, counters) -> None:
     for n in reversed(run):
         gm.graph.erase_node(n)
 
-
-def regions_of(gm: torch.nn.Module) -> List[FusedRegion]:
-    return [m for m in gm.modules() if isinstance(m, FusedRegion)]
-
-
-def kernels_fused(gm: torch.nn.Module) -> Optional[int]:
-    return sum(len(r.ops) for r in regions_of(gm) if r.state == "fused")

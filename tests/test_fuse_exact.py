@@ -79,7 +79,7 @@ def test_conformer_stream_runs_fused_regions_bit_exact(fuse_on_cpu, stock):
 
 
 def test_a_region_whose_fused_form_differs_stays_stock_with_the_reason(fuse_on_cpu, stock, monkeypatch):
-    def off_by_one_ulp(module, args):        # an inexact compiler: one ULP up on its first output
+    def off_by_one_ulp(module, args, graph=None):   # an inexact compiler: one ULP up on its first output
         def run(*a):
             out = list(module(*a))
             if out[0].is_floating_point():
@@ -98,7 +98,7 @@ def test_a_region_whose_fused_form_differs_stays_stock_with_the_reason(fuse_on_c
 
 
 def test_a_region_whose_compile_fails_stays_stock_with_the_reason(fuse_on_cpu, stock, monkeypatch):
-    def broken(module, args):
+    def broken(module, args, graph=None):
         raise RuntimeError("no compiler here")
     monkeypatch.setattr(fusion, "compile_region", broken)
     compiled = _compiled()
@@ -156,6 +156,65 @@ def test_inductor_sees_a_division_by_a_number_as_atens_product_with_its_reciproc
     inverse = (torch.tensor(1.0) / torch.tensor(3.0)).item()    # in fp32, as the kernel's opmath
     assert ops[0] == (aten.mul.Tensor, inverse) and inverse != 1 / 3
     assert any(n.target is aten.div.Tensor for n in gm.graph.nodes)   # the region keeps its own
+
+
+def _fused_graph(f, *args):
+    """``f`` traced and run through the pass alone, on the CPU: (graph module, regions)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from cadence_fx.context import PassContext
+    from cadence_fx.passes.fuse_exact import fuse_exact
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f)(*[a.clone() for a in args])
+    FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*[a.clone() for a in args])
+    ctx = PassContext(adapter=None, class_key="k", inputs=[], regions=[], module_buffers={})
+    gm = fuse_exact(gm, ctx).graph_module
+    gm.graph.lint()
+    gm.recompile()
+    return gm, regions(gm)
+
+
+def test_a_write_closes_the_regions_open_before_it(fuse_on_cpu):
+    """``a`` reads ``w`` before ``w.add_(1)``: it may not run with ``b``, after the write."""
+    def f(x, w):
+        a = w * 3.0
+        w.add_(1)
+        b = w * 5.0
+        return (a + b) * x,
+
+    x, w = torch.randn(8), torch.randn(8)
+    gm, found = _fused_graph(f, x, w)
+    expected = f(x, w.clone())
+    assert torch.equal(gm(x, w.clone())[0], expected[0])
+    assert [len(r.ops) for r in found] == [3]          # b, a + b, * x; ``a`` alone stays stock
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"][:2] == [
+        aten.mul.Tensor, aten.add_.Tensor]
+
+
+def test_a_value_read_by_a_stock_kernel_closes_its_region(fuse_on_cpu):
+    """``s`` (a reduction) reads ``a``: the region holding ``a`` must run before it."""
+    def f(x):
+        a = x * 2.0
+        s = a.sum()
+        return (a * 3.0 + s) * x,
+
+    x = torch.randn(16)
+    gm, found = _fused_graph(f, x)
+    assert torch.equal(gm(x)[0], f(x)[0])
+    assert [len(r.ops) for r in found] == [3]          # the three after the sum; ``a`` stays stock
+
+
+def test_equal_values_are_not_enough_bits_are_compared():
+    zero, neg_zero = torch.zeros(3), -torch.zeros(3)
+    assert torch.equal(zero, neg_zero)
+    assert fusion._difference((zero,), (neg_zero,)) == "output 0 differs from stock in 3 of 3 elements"
+    nan = torch.full((2,), float("nan"))
+    payload = nan.clone()
+    payload.view(torch.int32)[0] = 0x7FC00123
+    assert fusion._difference((nan,), (nan.clone(),)) is None     # unequal under equal(), same bits
+    assert fusion._difference((nan,), (payload,)) == "output 0 differs from stock in 1 of 2 elements"
+    t = torch.randn(4, 4)
+    assert "stock gives" in fusion._difference((t,), (t.t().contiguous().t(),))   # same values, strides
+    assert fusion._difference((t,), (t, t)) == "2 outputs, stock has 1"
 
 
 def test_region_rewrite_keeps_views_used_after_it(fuse_on_cpu):
@@ -342,3 +401,26 @@ def test_a_restarted_server_loads_its_fused_regions_from_the_cache_and_verifies_
     again = _all_regions(restarted)
     assert sorted(r.state for r in again) == states            # the same verdicts, made again
     assert k.fused_regions == states.count("fused") > 0
+
+
+def test_the_report_says_what_fusion_made_of_each_class(fuse_on_cpu, stock, monkeypatch):
+    calls = []
+
+    def refuse_first(module, args, graph=None):   # the first region compiled is refused
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("refused for the test")
+        return module
+    monkeypatch.setattr(fusion, "compile_region", refuse_first)
+    compiled = _compiled()
+    assert _same(stock, run_turns(compiled, TURNS, seed=5)[0])
+    rows = compiled.report().classes()
+    found = _all_regions(compiled)
+    assert sum(r["fusion"]["regions"] for r in rows) == len(found) > 1
+    assert sum(r["fusion"]["fused"] for r in rows) == len(found) - 1 == compiled.counters.fused_regions
+    assert [s for r in rows for s in r["fusion"]["stock"]] == [
+        (next(r for r in found if r.state == "stock").region_name,
+         "compile failed: RuntimeError: refused for the test")]
+    text = str(compiled.report())
+    assert "stock: compile failed: RuntimeError: refused for the test" in text
+    assert f"{rows[0]['fusion']['regions']} regions" in text
