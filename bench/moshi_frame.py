@@ -26,7 +26,9 @@ Per configuration: per-frame p50/p95 (CUDA events, timed streams only), frames b
 E (``torch.equal`` on PCM and tokens), peak memory (``max_memory_allocated``/``memory_reserved``
 over the timed streams; ``process_peak_bytes``: the most the process has had allocated since it
 started, model, compile and capture included -- the number to compare with rows in processes
-of their own), and the kernel-time floor of E (the profiler's sum of GPU kernel time per
+of their own; for cadence_fx also ``compile_peak_bytes``, that peak right after its warm-up
+stream, and ``memory``, the report's breakdown of what it holds: carries, private buffers, the
+captured graphs' pool), and the kernel-time floor of E (the profiler's sum of GPU kernel time per
 frame over the first six frames of a stream); for cadence_fx also its own kernel time and kernels
 per frame over the same six frames (``kernel_ms``, ``kernels``) and the device graphs launched per
 timed frame (``graph_launches_per_frame``).
@@ -302,6 +304,7 @@ def cadence_row(mimi, lm_gen, args, warm, timed_streams, reset_at, ref, e):
     t1 = time.perf_counter()
     cadence_streams(step, compiled, warm, reset_at)   # traces and captures every class
     compile_s = time.perf_counter() - t1
+    compile_peak = process_peak()   # the most allocated so far: model, compile, verify, capture
     before = (compiled.counters.replays, compiled.counters.fallbacks)
     ours, c = timed(lambda t: cadence_streams(step, compiled, timed_streams, reset_at, t))
     k = compiled.counters
@@ -311,7 +314,10 @@ def cadence_row(mimi, lm_gen, args, warm, timed_streams, reset_at, ref, e):
              steady_replays=k.replays - before[0], steady_fallbacks=k.fallbacks - before[1],
              eager_pieces=k.eager_pieces, fused_regions=k.fused_regions,
              fusions_refused=k.fusions_refused, fuse=not args.no_fuse, status="ok",
-             fallback_reasons=dict(k.reasons), process_peak_bytes=process_peak())
+             fallback_reasons=dict(k.reasons), process_peak_bytes=process_peak(),
+             compile_peak_bytes=compile_peak,
+             # where the held bytes are: carries, private buffers, the captured graphs' pool
+             memory=compiled.report().memory())
     c["graph_launches_per_frame"] = c["steady_replays"] / c["frames"]
     # the same six frames as E's floor: its own kernel time and kernels per frame (the kernels a
     # replayed graph launches are traced one by one)
