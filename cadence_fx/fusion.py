@@ -41,6 +41,7 @@ NUMERICS = {
     "eager_numerics.use_pytorch_libdevice": True,
     "emulate_precision_casts": True,             # bf16 round trips between ops; no FMA contraction
     "fallback_random": True,
+    "use_fast_math": False,                      # libdevice's accurate exp, not an approximation
     "triton.cudagraphs": False,                  # the lowering captures; Inductor must not
     "freezing": False,
 }
@@ -72,6 +73,12 @@ def compile_region(module, args: Sequence, graph: Optional[tuple] = None) -> Cal
     return _COMPILED[key]
 
 
+def reciprocal(b) -> float:
+    """``1 / b`` as ATen's CUDA division kernel makes it for a Python number: in fp32, the opmath
+    type of fp32, bf16 and fp16 tensors."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(b), dtype=torch.float32))
+
+
 def inductor_form(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """The region as Inductor must see it to compute what ATen's kernels compute: a division by
     a Python number becomes the product with its reciprocal, made in the kernel's precision
@@ -86,8 +93,7 @@ def inductor_form(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is torch.ops.aten.div.Tensor and len(n.args) == 2 \
                 and isinstance(n.args[1], (int, float)) and not n.kwargs:
-            one, b = torch.tensor(1.0, dtype=torch.float32), torch.tensor(float(n.args[1]), dtype=torch.float32)
-            n.target, n.args = torch.ops.aten.mul.Tensor, (n.args[0], float(one / b))
+            n.target, n.args = torch.ops.aten.mul.Tensor, (n.args[0], reciprocal(n.args[1]))
     gm.recompile()
     return gm
 
@@ -147,10 +153,14 @@ class FusedRegion(torch.nn.Module):
         expected = self.stock(*args)
         try:
             fused = compile_region(self.stock, args, self.graph)
-            got = fused(*args)
         except Exception as e:  # noqa: BLE001 - the region stays stock, with the reason
-            return self._refuse(f"compile failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
-                                expected)
+            return self._refuse(f"compile failed: {_first_line(e)}", expected)
+        try:
+            got = fused(*args)
+        except _DEVICE_ERRORS:   # out of memory, a broken device context: not the region's verdict
+            raise
+        except Exception as e:  # noqa: BLE001 - the region stays stock, with the reason
+            return self._refuse(f"the fused code failed: {_first_line(e)}", expected)
         reason = _difference(expected, got)
         if reason:
             return self._refuse(reason, expected)
@@ -170,6 +180,14 @@ class FusedRegion(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"{self.region_name}: {len(self.ops)} ops, {self.state}" + (
             f" ({self.reason})" if self.reason else "")
+
+
+_DEVICE_ERRORS = tuple(e for e in (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", None))
+                       if e is not None)
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
 
 
 def _difference(expected, got) -> Optional[str]:

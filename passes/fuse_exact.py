@@ -8,22 +8,26 @@ the DiT block's adaLN modulation and gated residual, Moshi's RoPE::
 
 GEMMs, convolutions, reductions (norms, softmax), copies into the carry and everything else stay
 the stock kernels. A region holds only ops of ``EXACT_OPS``, whose fused form is the same
-arithmetic as ATen's kernel: no rounding at all (integer arithmetic, comparisons, selects, fills,
-copies by ``cat``/``stack``/``clone``), one correctly rounded IEEE operation per element (add,
-sub, mul, division, casts between floating dtypes), or the same formula through the same
-libdevice routine (exp, tanh, sin, cos, sqrt, rsqrt, silu) -- with Inductor held to eager
-numerics (``fusion.NUMERICS``: no FMA contraction, IEEE division, no flush-to-zero, every bf16
-round trip kept) -- and views that launch no kernel. Each op is checked against ATen's kernel on
-the device over edge inputs, per dtype (tests/test_fuse_exact.py). What stays out, and why:
+arithmetic as ATen's kernel: no rounding at all (int64 arithmetic, comparisons, selects, copies by
+``cat``/``stack``/``clone``), one correctly rounded IEEE operation per element (add, sub, mul,
+division, casts between fp32 and bf16), or the same formula through the same libdevice routine
+(exp, tanh, sin, cos, sqrt, rsqrt, silu) -- with Inductor held to eager numerics
+(``fusion.NUMERICS``: no FMA contraction, IEEE division, no flush-to-zero, every bf16 round trip
+kept, no fast math) -- and views that launch no kernel, on fp32, bf16, int64 and bool values of
+the step's device. Each op is checked against ATen's kernel on the device over edge inputs, per
+dtype (tests/test_fuse_exact.py). What stays out, and why:
 
 * ``add``/``sub`` with ``alpha`` != 1: ATen's kernel may contract ``a + alpha * b`` into an FMA;
 * division by a host tensor: ATen multiplies by its reciprocal (a Python number is fine: Inductor
   is given that same product, ``fusion.inductor_form``);
 * ``neg``, ``abs`` (a NaN's sign and payload), ``clamp`` (-0 against +0), ``sigmoid`` (another
   formula): not ATen's bits on the H200; erf-GELU, softmax, LayerNorm, RMSNorm: never bit-exact
-  when fused; casts from floating to integer dtypes: undefined for NaN and out-of-range values;
-* ``x + 0``, ``x - 0``, ``x * 1`` with a literal: Inductor drops them, ATen computes them (-0 + 0
-  is +0; the device's arithmetic makes a NaN canonical);
+  when fused; casts other than fp32 <-> bf16, fp16 and int32: not covered by the op test;
+* a literal the compilers fold: ``x + 0``, ``x * 1`` (dropped), ``x * 0`` (zeros), ``x * -1`` (a
+  sign flip), a division whose fp32 reciprocal is 0 or ±1; ATen computes them (-0 + 0 is +0, NaN
+  * 0 is NaN, the device's multiply makes a NaN canonical); ``full_like``, a fill Inductor folds
+  into its users, which then meet the same fate;
+* host-side work in a device step: it stays stock, and eager;
 * anything in place: its order against the carry's writes is the graph's.
 
 A region is a set of such nodes that can run as one at the place of its last node
@@ -37,7 +41,6 @@ computed; each region decides at run time, on the class's real inputs, whether i
 """
 from __future__ import annotations
 
-import itertools
 import operator
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -52,8 +55,9 @@ from cadence_fx.fx_utils import aten, graph_module, is_mutating, val
 
 __all__ = ["fuse_exact", "EXACT_OPS", "VIEWS", "fusible", "is_kernel"]
 
-FLOAT = (torch.float32, torch.bfloat16, torch.float16)
-INT = (torch.int64, torch.int32)
+# the dtypes the op test covers on the device (the models' own): fp16 and int32 are left out
+FLOAT = (torch.float32, torch.bfloat16)
+INT = (torch.int64,)
 BOOL = (torch.bool,)
 DTYPES = FLOAT + INT + BOOL
 MIN_KERNELS = 2
@@ -63,14 +67,15 @@ def _unit_alpha(n: Node) -> bool:
     return n.kwargs.get("alpha", 1) == 1 and len(n.args) <= 2 and not _identity(n, 0)
 
 
-def _identity(n: Node, unit) -> bool:
-    """``x + 0``, ``x * 1``: Inductor simplifies them away, ATen computes them (-0 + 0 is +0,
-    and the device's arithmetic makes a NaN canonical)."""
-    return any(not isinstance(a, Node) and a == unit for a in n.args)
+def _identity(n: Node, *units) -> bool:
+    """A literal operand Inductor or the device compiler folds: ``x + 0`` and ``x * 1`` are
+    dropped, ``x * 0`` becomes zeros, ``x * -1`` a sign flip. ATen computes them: -0 + 0 is +0,
+    NaN * 0 is NaN, and the device's multiply makes a NaN canonical where a sign flip keeps it."""
+    return any(not isinstance(a, Node) and a in units for a in n.args)
 
 
 def _no_unit(n: Node) -> bool:
-    return not _identity(n, 1)
+    return not _identity(n, 0, 1, -1)
 
 
 def _divisor(n: Node) -> bool:
@@ -82,7 +87,9 @@ def _divisor(n: Node) -> bool:
         return False
     if isinstance(d, Node):
         return val(d) is not None and val(d).device.type != "cpu"
-    return isinstance(d, (int, float)) and not isinstance(d, bool) and d != 1
+    if not isinstance(d, (int, float)) or isinstance(d, bool):
+        return False
+    return fusion.reciprocal(d) not in (0.0, 1.0, -1.0)    # a product the compiler would fold
 
 
 def _cast_to(n: Node) -> Optional[torch.dtype]:
@@ -97,14 +104,13 @@ def _cast_to(n: Node) -> Optional[torch.dtype]:
 
 
 def _cast(n: Node) -> bool:
-    """A cast on the device between floating dtypes, to a wider integer, from an integer to a
-    floating dtype, or to bool: one correctly rounded conversion per element on both sides.
-    Floating to integer stays stock (NaN and out-of-range values are undefined)."""
+    """A cast on the device between fp32 and bf16: one correctly rounded conversion per element
+    on both sides (the op test covers both directions; other casts stay stock until it covers
+    them -- floating to integer is undefined for NaN and out-of-range values anyway)."""
     x, to = val(n.args[0]), _cast_to(n)
     if to is None or val(n).device != x.device or to == x.dtype:   # same dtype: ``to`` returns its input (a view, below)
         return False
-    return (to is torch.bool or to in FLOAT and x.dtype in FLOAT + INT + BOOL
-            or (to is torch.int64 and x.dtype in INT + BOOL))
+    return to in FLOAT and x.dtype in FLOAT
 
 
 def _same_dtype_to(n: Node) -> bool:
@@ -120,7 +126,7 @@ def _always(n: Node) -> bool:
 
 
 # op -> (the input dtypes it may fuse on, when it may fuse). Why each fused form is the stock
-# arithmetic: integers, comparisons, selects and fills have no rounding; add, sub, mul and div_rn
+# arithmetic: integers, comparisons, selects and copies have no rounding; add, sub, mul and div_rn
 # are one correctly rounded IEEE operation per element (and the fused code contracts nothing into
 # an FMA); the transcendental ones compute the same formula through the same libdevice routine as
 # ATen's kernel (each is checked against ATen on the device over edge inputs, per dtype).
@@ -132,7 +138,7 @@ EXACT_OPS: Dict[torch._ops.OpOverload, Tuple[tuple, Callable[[Node], bool]]] = {
     aten.clone.default: (_ANY, lambda n: not n.kwargs),
     aten.remainder.Scalar: (INT, lambda n: n.args[1] != 0),   # Python's modulo on both sides
     aten.pow.Tensor_Scalar: (FLOAT, _square),
-    aten.where.self: (_ANY, _always), aten.full_like.default: (_ANY, _always),
+    aten.where.self: (_ANY, _always),
     **{getattr(getattr(aten, c), k): (_ANY, _always)
        for c in ("eq", "ne", "lt", "le", "gt", "ge") for k in ("Tensor", "Scalar")},
     aten.logical_not.default: (_ANY, _always), aten.logical_and.default: (_ANY, _always),
@@ -160,19 +166,25 @@ _VIEW_RULES = {aten.dropout.default: lambda n: len(n.args) > 2 and n.args[2] is 
 
 
 def _values(node: Node) -> list:
+    """The tensors a node makes (several for ``unbind``, ``chunk``, ``split``)."""
     v = node.meta.get("val")
     return list(v) if node.target in MULTI_VIEWS and isinstance(v, (list, tuple)) else [val(node)]
 
 
-def fusible(node: Node) -> bool:
-    """Whether ``node`` may be part of a fused region: a kernel of ``EXACT_OPS`` or a view."""
+def fusible(node: Node, device: Optional[str] = None) -> bool:
+    """Whether ``node`` may be part of a fused region: a kernel of ``EXACT_OPS`` or a view, all
+    its values on one device (of type ``device``, the step's, when given: host-side work in a
+    device step stays stock, and eager)."""
     if node.op != "call_function" or (node.target not in EXACT_OPS and node.target not in VIEWS):
         return False
     outs = _values(node)
     if not outs or any(not isinstance(v, torch.Tensor) or v.dtype not in DTYPES for v in outs):
         return False
-    if any(val(a) is None or val(a).dtype not in DTYPES or val(a).device != outs[0].device
-           for a in node.all_input_nodes):
+    if device is not None and outs[0].device.type != device:
+        return False
+    ins = [v for a in node.all_input_nodes for v in _values(a)]
+    if any(not isinstance(v, torch.Tensor) or v.dtype not in DTYPES or v.device != outs[0].device
+           for v in ins):
         return False
     return is_kernel(node) or (node.target in VIEWS and _VIEW_RULES.get(node.target, _always)(node))
 
@@ -195,7 +207,7 @@ def fuse_exact(gm: GraphModule, ctx: PassContext) -> PassResult:
         records["skipped"] = (f"fusion is for device steps ({', '.join(fusion.DEVICES)}); this step "
                               f"runs on {device}")
         return PassResult(gm, False)
-    runs = regions_in_order(gm.graph)
+    runs = regions_in_order(gm.graph, device)
     counters = getattr(ctx, "counters", None)
     made = 0
     for run in runs:
@@ -212,43 +224,31 @@ def fuse_exact(gm: GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(gm, made > 0)
 
 
-def regions_in_order(graph) -> List[List[Node]]:
-    """The fusible nodes grouped into regions, each in graph order. A region stays open while
-    nothing outside it has read any of its values, and no write has happened since it opened;
-    a fusible node joins the open regions it reads (merging them), else the latest open one,
-    else opens one. So the region
-    can run where its last node is: every value it reads exists by then, none of them has been
-    written in between, and nothing before that point needs its values."""
-    fresh = itertools.count()
-    owner: Dict[Node, int] = {}
-    members: Dict[int, List[Node]] = {}
-    open_: set = set()
+def regions_in_order(graph, device: Optional[str] = None) -> List[List[Node]]:
+    """The fusible nodes grouped into regions, each in graph order. One region is open at a time:
+    a fusible node joins it (or opens one); it closes when a stock node reads one of its values,
+    or at a write, a side effect or a mode switch. So the region can run where its last node is:
+    every value it reads exists by then, none of them has been written in between, and nothing
+    before that point needs its values."""
+    regions: List[List[Node]] = []
+    members: set = set()
+    current: Optional[List[Node]] = None
     for n in graph.nodes:
-        if fusible(n):
-            joined = sorted({owner[a] for a in n.all_input_nodes if owner.get(a) in open_})
-            if not joined and open_:             # independent of them: it may run with the latest
-                joined = [max(open_)]
-            rid = joined[0] if joined else next(fresh)
-            members.setdefault(rid, [])
-            for other in joined[1:]:             # n reads both: one region now
-                for m in members.pop(other):
-                    owner[m] = rid
-                    members[rid].append(m)
-                open_.discard(other)
-            members[rid].append(n)
-            owner[n] = rid
-            open_.add(rid)
+        if fusible(n, device):
+            if current is None:
+                current = []
+                regions.append(current)
+            current.append(n)
+            members.add(n)
             continue
         if n.op in ("placeholder", "get_attr"):
             continue
         pure = n.op == "call_function" and not is_mutating(n) and (
             isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem)
-        if pure:                                 # a stock kernel reading a region's value
-            open_.difference_update(owner[a] for a in n.all_input_nodes if a in owner)
-        else:                                    # a write, a side effect, a mode switch (autocast,
-            open_.clear()                        # grad), the output: every region closes
-    order = {n: k for k, n in enumerate(graph.nodes)}
-    return [sorted(ms, key=order.__getitem__) for _, ms in sorted(members.items())]
+        if not pure or (current is not None and any(a in members for a in n.all_input_nodes)):
+            current = None   # read by a stock node, or a write, a side effect, a mode switch
+            members = set()  # (autocast, grad), the output: the region closes
+    return regions
 
 
 def _device(gm: GraphModule) -> str:
