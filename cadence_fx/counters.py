@@ -31,7 +31,7 @@ class Counters:
     restored_bytes: int = 0   # envelope storage given back for good because the stock step ran
     primes_lent: int = 0      # declared priming calls that borrowed the released envelopes
     fused_regions: int = 0    # pointwise regions verified bit-exact and run fused (fuse_exact)
-    fusions_refused: int = 0  # regions kept stock: their fused form differed, or did not compile
+    fusions_refused: int = 0  # regions kept stock: fused bits differed, or compile or run failed
     reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     addresses: Dict[str, Set[int]] = dataclasses.field(
         default_factory=lambda: collections.defaultdict(set))

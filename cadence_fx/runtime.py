@@ -233,8 +233,9 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
     ``step`` is a module (its ``forward`` is the step) or a callable; a plain callable names the
     module holding its weights with ``module=`` (a bound method's module is found by itself).
     ``verify`` turns on the shadow auditor; ``strict`` raises instead of falling back to eager;
-    ``state_rule``/``constants``/``fuse`` (exact fusion, ``passes/fuse_exact.py``) switch passes off; ``graphs=False`` (or the environment variable
-    ``CADENCE_FX_DISABLE_GRAPHS=1``) keeps every piece on the guarded eager path. ``carries``
+    ``state_rule``/``constants``/``fuse`` (exact fusion, ``passes/fuse_exact.py``) switch passes
+    off; ``graphs=False`` (or the environment variable ``CADENCE_FX_DISABLE_GRAPHS=1``) keeps
+    every piece on the guarded eager path. ``carries``
     shares the carry store of another compiled step of the same stream. ``copy_outputs=False``
     hands out replayed results in place (overwritten by the next replay) instead of cloning them.
     ``options`` (a ``pipeline.Options``) replaces ``state_rule``/``constants``/``fuse`` for ablations.
