@@ -17,7 +17,7 @@ import cadence_fx
 from cadence_fx import fusion
 from cadence_fx.fusion import FusedRegion, regions
 from cadence_fx.fx_utils import aten
-from cadence_fx.passes.fuse_exact import EXACT_OPS, VIEWS, fusible
+from cadence_fx.passes.fuse_exact import EXACT_OPS, fusible
 from cadence_fx.pipeline import Options
 
 from streaming_conformer import CONFORMER_ADAPTER, make_model, run_turns
