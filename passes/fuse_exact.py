@@ -234,7 +234,10 @@ def regions_in_order(graph, device: Optional[str] = None) -> List[List[Node]]:
     members: set = set()
     current: Optional[List[Node]] = None
     for n in graph.nodes:
-        if fusible(n, device):
+        # an output of an op with several (a view) joins only the region that holds the op: a
+        # region's inputs are tensors
+        outside_view = n.target is operator.getitem and n.args[0] not in members
+        if fusible(n, device) and not outside_view:
             if current is None:
                 current = []
                 regions.append(current)

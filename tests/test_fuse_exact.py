@@ -10,6 +10,8 @@ what ran: regions fused, regions refused, their reasons. The device tests check 
 with fused regions inside its graphs."""
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
@@ -485,3 +487,27 @@ def test_the_report_says_what_fusion_made_of_each_class(fuse_on_cpu, stock, monk
     text = str(compiled.report())
     assert "stock: compile failed: RuntimeError: refused for the test" in text
     assert f"{rows[0]['fusion']['regions']} regions" in text
+
+
+def test_an_output_of_a_multi_output_view_joins_only_the_region_holding_the_view():
+    """``b = chunk(x)[1]`` read after the region holding ``chunk`` closed: the region that reads
+    ``b`` gets ``b`` (a tensor) as its input, not the chunk's list of outputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from cadence_fx.passes.fuse_exact import regions_in_order
+
+    def g(x):
+        a, b = x.chunk(2)
+        c = a * 2.0 + a
+        s = c.sum()
+        return (b * 3.0 + b) * s,
+
+    x = torch.randn(8)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(g, pre_dispatch=True)(x)
+    FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(x)
+    late = [n for n in gm.graph.nodes if n.target is operator.getitem][1]
+    next(n for n in gm.graph.nodes if n.target is aten.sum.default).append(late)   # b after the sum
+    gm.graph.lint()
+    first, second = regions_in_order(gm.graph)
+    assert late not in first and late not in second
+    assert [str(n.target) for n in second] == ["aten.mul.Tensor", "aten.add.Tensor", "aten.mul.Tensor"]
