@@ -61,12 +61,13 @@ def compile_region(module, args: Sequence, graph: Optional[tuple] = None) -> Cal
     again only when no region like it was compiled yet."""
     import torch._inductor
     import torch._inductor.config as config
-    if graph is None or (graph, layout_key(args)) not in _COMPILED:
+    layout = layout_key(args)
+    if graph is None or (graph, layout) not in _COMPILED:
         if not isinstance(module, torch.fx.GraphModule):
             from torch.fx.experimental.proxy_tensor import make_fx
             module = make_fx(module, pre_dispatch=True)(*args)
         graph = graph_key(module)
-    key = (graph, layout_key(args))
+    key = (graph, layout)
     if key not in _COMPILED:
         with config.patch(_numerics()), torch.no_grad():
             _COMPILED[key] = torch._inductor.compile(inductor_form(module), list(args))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -19,7 +19,7 @@ __all__ = ["aten", "CATS", "VIEW_OPS", "is_mutating", "mutated_arg", "view_chain
            "attr_value",
            "val", "dead_code_elimination", "SIDE_EFFECTS", "storage_key", "returns_self",
            "mutated_attributes", "written_bases", "graph_module", "code_deferred",
-           "generate_code"]
+           "generate_code", "step_device", "subgraph"]
 
 aten = torch.ops.aten
 INT_MAX = 2 ** 63 - 1
@@ -66,6 +66,35 @@ def val(node) -> Optional[torch.Tensor]:
     """The (fake) tensor a node produced at trace time, if recorded."""
     v = node.meta.get("val") if isinstance(node, Node) else None
     return v if isinstance(v, torch.Tensor) else None
+
+
+def step_device(gm) -> torch.device:
+    """The device a traced step runs on: that of its first value off the CPU, else the CPU."""
+    for n in gm.graph.nodes:
+        v = val(n)
+        if v is not None and v.device.type != "cpu":
+            return v.device
+    return torch.device("cpu")
+
+
+def subgraph(nodes: List[Node], inputs: List[Node], outputs: List[Node],
+             copy_attrs: bool = False) -> Graph:
+    """A graph computing ``outputs`` from ``inputs`` (placeholders, with their metadata) by
+    copies of ``nodes``, in their order; ``copy_attrs`` copies the ``get_attr`` nodes they read
+    into it (else those must be among ``inputs``)."""
+    sub = Graph()
+    env: Dict[Node, Node] = {}
+    for a in inputs:
+        env[a] = sub.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    for n in nodes:
+        if copy_attrs:
+            for a in n.all_input_nodes:
+                if a.op == "get_attr" and a not in env:
+                    env[a] = sub.node_copy(a, lambda x: env[x])
+        env[n] = sub.node_copy(n, lambda x: env[x])
+    sub.output(tuple(env[o] for o in outputs))
+    return sub
 
 
 def is_mutating(node: Node) -> bool:

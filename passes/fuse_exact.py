@@ -45,13 +45,13 @@ import operator
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from cadence_fx import fusion
 from cadence_fx.context import PassContext
 from cadence_fx.fusion import FusedRegion
-from cadence_fx.fx_utils import aten, graph_module, is_mutating, val
+from cadence_fx.fx_utils import aten, graph_module, is_mutating, step_device, subgraph, val
 
 __all__ = ["fuse_exact", "EXACT_OPS", "VIEWS", "fusible", "is_kernel"]
 
@@ -202,7 +202,7 @@ def is_kernel(node: Node) -> bool:
 
 def fuse_exact(gm: GraphModule, ctx: PassContext) -> PassResult:
     records = ctx.records.setdefault("fusion", {"regions": [], "skipped": None})
-    device = _device(gm)
+    device = step_device(gm).type
     if device not in fusion.DEVICES:
         records["skipped"] = (f"fusion is for device steps ({', '.join(fusion.DEVICES)}); this step "
                               f"runs on {device}")
@@ -254,14 +254,6 @@ def regions_in_order(graph, device: Optional[str] = None) -> List[List[Node]]:
     return regions
 
 
-def _device(gm: GraphModule) -> str:
-    for n in gm.graph.nodes:
-        v = val(n)
-        if v is not None and v.device.type != "cpu":
-            return v.device.type
-    return "cpu"
-
-
 def _replace(gm: GraphModule, run: List[Node], name: str, counters) -> None:
     members = set(run)
     inputs: List[Node] = []
@@ -285,15 +277,7 @@ def _replace(gm: GraphModule, run: List[Node], name: str, counters) -> None:
     for n in run:
         if n in used_after:
             output_of(n)
-    sub = Graph()
-    env: Dict[Node, Node] = {}
-    for a in inputs:
-        env[a] = sub.placeholder(a.name)
-        env[a].meta = dict(a.meta)
-    for n in run:
-        env[n] = sub.node_copy(n, lambda x: env[x])
-    sub.output(tuple(env[o] for o in outputs))
-    stock = graph_module(torch.nn.Module(), sub, class_name=name)
+    stock = graph_module(torch.nn.Module(), subgraph(run, inputs, outputs), class_name=name)
     gm.add_submodule(name, FusedRegion(stock, name, [str(n.target) for n in run
                                                    if is_kernel(n)], counters))
     last = run[-1]

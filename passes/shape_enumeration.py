@@ -27,7 +27,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from cadence_fx.context import PassContext
-from cadence_fx.fx_utils import aten, graph_module, val
+from cadence_fx.fx_utils import aten, graph_module, step_device, subgraph, val
 
 __all__ = ["shape_enumeration", "eager_reason"]
 
@@ -80,7 +80,7 @@ def eager_reason(node: Node, device: torch.device) -> Optional[str]:
 
 
 def shape_enumeration(gm: GraphModule, ctx: PassContext) -> PassResult:
-    device = _step_device(gm)
+    device = step_device(gm)
     body = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     kinds: Dict[Node, str] = {}
     reasons: Dict[Node, str] = {}
@@ -118,14 +118,6 @@ def shape_enumeration(gm: GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(split, True)
 
 
-def _step_device(gm: GraphModule) -> torch.device:
-    for n in gm.graph.nodes:
-        v = val(n)
-        if v is not None and v.device.type != "cpu":
-            return v.device
-    return torch.device("cpu")
-
-
 def _split(gm: GraphModule, runs: List[List[Node]], piece_of: Dict[Node, int]) -> GraphModule:
     """One submodule per run, called in order from a new top-level graph."""
     top = Graph()
@@ -145,17 +137,7 @@ def _split(gm: GraphModule, runs: List[List[Node]], piece_of: Dict[Node, int]) -
                 if a not in members and a not in inputs and a.op != "get_attr":
                     inputs.append(a)
         outputs = [n for n in run if any(u not in members for u in n.users)]
-        sub = Graph()
-        senv: Dict[Node, Node] = {}
-        for a in inputs:
-            senv[a] = sub.placeholder(a.name)
-            senv[a].meta = dict(a.meta)
-        for n in run:
-            for a in n.all_input_nodes:
-                if a.op == "get_attr" and a not in senv:
-                    senv[a] = sub.node_copy(a, lambda x: senv[x])
-            senv[n] = sub.node_copy(n, lambda x: senv[x])
-        sub.output(tuple(senv[o] for o in outputs))
+        sub = subgraph(run, inputs, outputs, copy_attrs=True)
         name = f"piece_{i}"
         setattr(root, name, graph_module(gm, sub, class_name=name))
         call = top.call_module(name, tuple(env[a] if a.op != "get_attr" else _attr(top, env, a)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,7 +36,7 @@ from torch import nn
 from cadence_fx.contract import APPEND, Adapter, Effects, Region, SlidingWindow
 from cadence_fx.fx_utils import is_mutating, mutated_arg, view_chain
 
-__all__ = ["StreamingConformer", "CONFORMER_ADAPTER", "STACKED_ADAPTER", "CLOCKS", "LAYERS", "BINS", "PROMPT",
+__all__ = ["one_thread", "StreamingConformer", "CONFORMER_ADAPTER", "STACKED_ADAPTER", "CLOCKS", "LAYERS", "BINS", "PROMPT",
            "CHUNKS", "FLUSH", "make_model", "prompt_feats", "chunk_feats", "clone_state",
            "prime", "run_turns", "interleave", "joins_feeding_carries", "State"]
 
@@ -43,6 +44,17 @@ LAYERS, D_MODEL, HEADS, FFN, BINS, KERNEL = 3, 64, 4, 256, 80, 5
 PROMPT, WINDOW, CHUNKS, FLUSH = 16, 24, (8, 12), 4
 
 State = Dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Intra-op parallelism pinned to one thread while a test file that imports this runs (both
+    sides run under it): on a shared 2-core machine two OpenMP threads per op make each chunk
+    some 50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

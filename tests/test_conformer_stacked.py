@@ -13,20 +13,13 @@ import torch
 import cadence_fx
 from cadence_fx.fx_utils import aten
 
+from streaming_conformer import one_thread  # noqa: F401 - autouse: one intra-op thread per file
 from streaming_conformer import (FLUSH, STACKED_ADAPTER, chunk_feats, clone_state,
                                  interleave, joins_feeding_carries, make_model, prompt_feats,
                                  run_turns)
 
 REGIONS = [r.name for r in STACKED_ADAPTER.regions]
 TURNS = [(0, [8, 12, 12, 8, FLUSH]), (1, [12, 8, 8, 12])]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import cadence_fx
 from cadence_fx.fx_utils import aten
 
 from op_count import OpCount, difference
+from streaming_conformer import one_thread  # noqa: F401 - autouse: one intra-op thread per file
 from streaming_conformer import (CONFORMER_ADAPTER, FLUSH, LAYERS, chunk_feats, clone_state,
                                  interleave, joins_feeding_carries, make_model, prime,
                                  run_turns)
@@ -33,14 +34,6 @@ TURNS = [(0, [8, 12, 12, 8, 8, 12, FLUSH]), (1, [12, 8, 8, 12, 12]), (0, [8, 8, 
 STREAM_CLASSES = {(AT_PROMPT, 8), (AT_PROMPT, 12), (AT_WINDOW, 8), (AT_WINDOW, 12),
                   (AT_WINDOW, FLUSH)}
 ALL_CLASSES = STREAM_CLASSES | {PRIMING_CLASS}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

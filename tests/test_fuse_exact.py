@@ -22,17 +22,10 @@ from cadence_fx.fx_utils import aten
 from cadence_fx.passes.fuse_exact import EXACT_OPS, fusible
 from cadence_fx.pipeline import Options
 
+from streaming_conformer import one_thread  # noqa: F401 - autouse: one intra-op thread per file
 from streaming_conformer import CONFORMER_ADAPTER, make_model, run_turns
 
 TURNS = [(0, [8, 12, 8, 4]), (1, [12, 8])]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
