@@ -504,3 +504,40 @@ def test_an_output_of_a_multi_output_view_joins_only_the_region_holding_the_view
     first, second = regions_in_order(gm.graph)
     assert late not in first and late not in second
     assert [str(n.target) for n in second] == ["aten.mul.Tensor", "aten.add.Tensor", "aten.mul.Tensor"]
+
+
+def test_a_server_lifecycle_with_fused_regions_retry_new_speaker_and_mode_change(fuse_on_cpu):
+    """As a server drives one compiled step: speaker 0 primed and streaming, a chunk retried from
+    a clone of the state before it, speaker 1 primed mid-stream (the state of the speaker set
+    aside is cloned, as the carry contract asks), a chunk under ``inference_mode`` (a new mode,
+    a new class) -- every output and state bit-exact against stock run through the same script."""
+    from streaming_conformer import chunk_feats, clone_state, prompt_feats
+
+    xs = chunk_feats([8, 12, 8, 12], seed=11)
+
+    def script(step):
+        out = []
+
+        def call(x, state, seed, mode=torch.no_grad):
+            torch.manual_seed(seed)
+            with mode():
+                y, new = step(x, state)
+            out.append((y.clone(), clone_state(new)))
+            return new
+
+        s0 = call(prompt_feats(0), None, 1)
+        s0 = call(xs[0], s0, 2)
+        before = clone_state(s0)                     # kept to retry the next chunk
+        call(xs[1], s0, 3)
+        s0 = clone_state(call(xs[1], clone_state(before), 3))   # the retry; kept while away
+        s1 = clone_state(call(prompt_feats(1), None, 4))        # a new speaker, mid-stream
+        s0 = call(xs[2], s0, 5)
+        call(xs[3], s1, 6, mode=torch.inference_mode)
+        return out
+
+    stock = script(make_model())
+    compiled = _compiled()
+    assert _same(stock, script(compiled))
+    k = compiled.counters
+    assert (k.compiled_calls, k.fallbacks) == (k.calls, 0) and k.calls == len(stock)
+    assert k.fused_regions > 0 and all(r.state != "pending" for r in _all_regions(compiled))
