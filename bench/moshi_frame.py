@@ -202,19 +202,88 @@ def timed(fn):
                   **memory(), "frames": len(ticks.times), "wall_s": time.perf_counter() - t0}
 
 
-def kernel_floor_ms(fn, frames):
-    """Sum of GPU kernel time per frame over ``frames`` frames of ``fn`` (torch.profiler)."""
+def kernel_floor_ms(fn, frames, row=None):
+    """Sum of GPU kernel time per frame over ``frames`` frames of ``fn`` (torch.profiler), and
+    kernels per frame; with ``row``, also its ``kernel_top`` and ``kernel_kinds`` (by name)."""
     if not CUDA:
         return None, None
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    total_us = sum(e.device_time_total for e in prof.key_averages()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
-    kernels = sum(e.count for e in prof.key_averages()
-                  if e.device_type == torch.autograd.DeviceType.CUDA)
+    avg = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if row is not None:
+        from suite_measure import kernel_kinds, top_kernels
+        by_kernel = {e.key: (e.device_time_total / 1e3, e.count) for e in avg}
+        row["kernel_top"] = top_kernels(by_kernel, {}, frames)
+        row["kernel_kinds"] = kernel_kinds(by_kernel, {}, frames)
+    total_us = sum(e.device_time_total for e in avg)
+    kernels = sum(e.count for e in avg)
     return total_us / 1e3 / frames, kernels / frames
+
+
+class PhasePeaks:
+    """Which part of a cold compile holds the most device memory: each phase's peak
+    ``max_memory_allocated`` and what was allocated when it began (``phases``), by wrapping the
+    compiler's trace, probationary call, passes, eager warm-ups (verifications of fused regions
+    included), region verifications and captures. The peak is reset at every phase boundary, so
+    the process peak is kept up to date through ``process_peak`` on the way."""
+
+    WRAPPED = (("cadence_fx.class_compiler", None, "trace_step", "trace"),
+               ("cadence_fx.class_compiler", None, "probe_effects", "probe"),
+               ("cadence_fx.class_compiler", None, "run_pipeline", "passes"),
+               ("cadence_fx.cudagraphs", "CudaGraphBackend", "_warm_up", "warm-up"),
+               ("cadence_fx.cudagraphs", "CudaGraphBackend", "_capture", "capture"),
+               ("cadence_fx.fusion", "FusedRegion", "verify", "region verify"))
+
+    def __init__(self):
+        self.phases = {}
+        self._stack = []   # [name, peak so far] of the phases entered
+        self._undo = []
+
+    def __enter__(self):
+        import importlib
+        for module, owner, attr, name in self.WRAPPED:
+            obj = importlib.import_module(module)
+            obj = getattr(obj, owner) if owner else obj
+            original = getattr(obj, attr)
+            setattr(obj, attr, self._wrap(original, name))
+            self._undo.append((obj, attr, original))
+        return self
+
+    def __exit__(self, *exc):
+        for obj, attr, original in reversed(self._undo):
+            setattr(obj, attr, original)
+
+    def _mark(self):
+        """Fold the peak since the last mark into every open phase, then reset it."""
+        torch.cuda.synchronize()
+        process_peak()   # the process peak, kept before the reset
+        peak = torch.cuda.max_memory_allocated()
+        for frame in self._stack:
+            frame[1] = max(frame[1], peak)
+        torch.cuda.reset_peak_memory_stats()
+
+    def _wrap(self, fn, name):
+        def wrapped(*args, **kwargs):
+            if not CUDA:
+                return fn(*args, **kwargs)
+            self._mark()
+            entry = torch.cuda.memory_allocated()
+            self._stack.append([name, entry])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._mark()
+                _, peak = self._stack.pop()
+                row = self.phases.setdefault(name, {"calls": 0, "peak_bytes": 0,
+                                                    "allocated_at_peak_entry_bytes": 0,
+                                                    "most_above_entry_bytes": 0})
+                row["calls"] += 1
+                if peak > row["peak_bytes"]:
+                    row["peak_bytes"], row["allocated_at_peak_entry_bytes"] = peak, entry
+                row["most_above_entry_bytes"] = max(row["most_above_entry_bytes"], peak - entry)
+        return wrapped
 
 
 def _parser():
@@ -259,7 +328,7 @@ def main():
         ref, e = timed(lambda t: stock_streams(mimi, lm_gen, timed_streams, reset_at, False, t))
         e["bit_exact_frames"] = exact_frames(ref, ref)
         floor, kernels = kernel_floor_ms(
-            lambda: stock_streams(mimi, lm_gen, [timed_streams[0][:6]], reset_at=99, as_shipped=False), 6)
+            lambda: stock_streams(mimi, lm_gen, [timed_streams[0][:6]], reset_at=99, as_shipped=False), 6, e)
         e.update(floor_ms=floor, kernels_per_frame=kernels, status="ok", process_peak_bytes=process_peak())
         result["E"] = e
         if args.ref:
@@ -302,7 +371,8 @@ def cadence_row(mimi, lm_gen, args, warm, timed_streams, reset_at, ref, e):
     adapter = M.moshi_adapter(M.SMALL_LM if args.small else None)
     compiled = cadence_fx.compile(step, adapter, fuse=not args.no_fuse)
     t1 = time.perf_counter()
-    cadence_streams(step, compiled, warm, reset_at)   # traces and captures every class
+    with PhasePeaks() as phases:
+        cadence_streams(step, compiled, warm, reset_at)   # traces and captures every class
     compile_s = time.perf_counter() - t1
     compile_peak = process_peak()   # the most allocated so far: model, compile, verify, capture
     before = (compiled.counters.replays, compiled.counters.fallbacks)
@@ -315,14 +385,14 @@ def cadence_row(mimi, lm_gen, args, warm, timed_streams, reset_at, ref, e):
              eager_pieces=k.eager_pieces, fused_regions=k.fused_regions,
              fusions_refused=k.fusions_refused, fuse=not args.no_fuse, status="ok",
              fallback_reasons=dict(k.reasons), process_peak_bytes=process_peak(),
-             compile_peak_bytes=compile_peak,
+             compile_peak_bytes=compile_peak, compile_phases=phases.phases,
              # where the held bytes are: carries, private buffers, the captured graphs' pool
              memory=compiled.report().memory())
     c["graph_launches_per_frame"] = c["steady_replays"] / c["frames"]
     # the same six frames as E's floor: its own kernel time and kernels per frame (the kernels a
     # replayed graph launches are traced one by one)
     c["kernel_ms"], c["kernels"] = kernel_floor_ms(
-        lambda: cadence_streams(step, compiled, [timed_streams[0][:6]], reset_at=99), 6)
+        lambda: cadence_streams(step, compiled, [timed_streams[0][:6]], reset_at=99), 6, c)
     if e is not None:
         c["speedup_vs_E_p50"] = e["p50_ms"] / c["p50_ms"]
         c["floor_ms"] = e["floor_ms"]

@@ -62,7 +62,8 @@ def cleanup():
 
 def profile(run):
     """Kernel time (ms, copies and memsets excluded), launches (kernel launches, graph
-    launches, async copies) and kernels run (those inside replayed graphs too) of ``run()``."""
+    launches, async copies) and kernels run (those inside replayed graphs too) of ``run()``, and
+    per kernel name its time (ms) and count (``launches["by_kernel"]``)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as torch_profile
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -73,7 +74,9 @@ def profile(run):
                     and not e.key.startswith(("Memcpy", "Memset")))
     kernels = sum(e.count for e in avg if e.device_type == DeviceType.CUDA
                   and not e.key.startswith(("Memcpy", "Memset")))
-    launches = {"kernels": kernels}
+    launches = {"kernels": kernels, "by_kernel": {
+        e.key: (e.self_device_time_total / 1e3, e.count) for e in avg
+        if e.device_type == DeviceType.CUDA and not e.key.startswith(("Memcpy", "Memset"))}}
     for e in avg:
         if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                      "cudaGraphLaunch", "cudaMemcpyAsync"):
@@ -168,7 +171,10 @@ def measure(stream, step, ref, ref_times, *, warm=True, prof=True, blocks=BLOCKS
         n = 2
         kernel_ms, launches = profile(lambda: stream.run(step, limit=1 + n))
         first_ms, first = profile(lambda: stream.run(step, limit=1))  # turn start
+        by_kernel, first_by_kernel = launches.pop("by_kernel"), first.pop("by_kernel")
         per_chunk = {k: (v - first.get(k, 0)) / n for k, v in launches.items()}
+        row["kernel_top"] = top_kernels(by_kernel, first_by_kernel, n)
+        row["kernel_kinds"] = kernel_kinds(by_kernel, first_by_kernel, n)
         # its own kernel time and kernels per chunk; ``floor_ms`` is E's (the stock floor), set
         # by ``Baseline.measure`` for the other rows
         row["kernel_ms"] = row["floor_ms"] = (kernel_ms - first_ms) / n
@@ -180,6 +186,36 @@ def measure(stream, step, ref, ref_times, *, warm=True, prof=True, blocks=BLOCKS
         row["floor_ms"] = row["kernel_ms"] = row["kernels"] = None
         row["floor_note"] = "not profiled in this run (--no-floor)"
     return ref, row
+
+
+def top_kernels(steady, first, n, top=25):
+    """The ``top`` kernel names by time per chunk: ``steady`` (``1 + n`` chunks) minus ``first``
+    (the turn start), each ``[name, ms per chunk, kernels per chunk]``."""
+    rows = []
+    for name, (ms, count) in steady.items():
+        ms0, count0 = first.get(name, (0.0, 0))
+        rows.append([name[:160], round((ms - ms0) / n, 4), (count - count0) / n])
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
+KINDS = (("triton (fused)", ("triton_",)), ("attention", ("fmha", "flash", "attention")),
+         ("cat", ("CatArray",)), ("copy", ("copy_kernel", "direct_copy")),
+         ("layer norm", ("layer_norm", "LayerNorm")), ("convolution", ("conv", "Conv", "implicit")),
+         ("gemm", ("gemm", "Gemm", "cutlass", "sm90_", "sm80_", "cublas", "nvjet")),
+         ("reduction", ("reduce", "Reduce", "softmax", "norm")),
+         ("pointwise", ("elementwise", "vectorized", "unrolled")))
+
+
+def kernel_kinds(steady, first, n):
+    """Time (ms) and kernels per chunk by kind of kernel (``KINDS``, by name; ``other`` for the
+    rest), steady minus turn start as ``top_kernels``."""
+    kinds = {}
+    for name, (ms, count) in steady.items():
+        ms0, count0 = first.get(name, (0.0, 0))
+        kind = next((k for k, keys in KINDS if any(key in name for key in keys)), "other")
+        t, c = kinds.get(kind, (0.0, 0.0))
+        kinds[kind] = (t + (ms - ms0) / n, c + (count - count0) / n)
+    return {k: [round(t, 4), c] for k, (t, c) in sorted(kinds.items(), key=lambda kv: -kv[1][0])}
 
 
 @dataclass

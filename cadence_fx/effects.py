@@ -70,8 +70,17 @@ def _same_numpy(a, b) -> bool:
     return a[0] == b[0] and bool((a[1] == b[1]).all()) and a[2:] == b[2:]
 
 
+HOST_SNAPSHOT_BYTES = 1 << 20   # device tensors larger than this are saved in pinned host memory
+
+
 class TensorSnapshot:
-    """Copies of tensors a probe may write, put back afterwards (values only; addresses stay)."""
+    """Copies of tensors a probe may write, put back afterwards (values only; addresses stay).
+
+    A device tensor over ``HOST_SNAPSHOT_BYTES`` is copied to pinned host memory rather than
+    cloned on the device: the snapshots of a compile (the probationary call's, each warm-up's)
+    cover every carry and written buffer, gigabytes for a 7B LM's KV cache, and device clones of
+    them would set the process's peak memory. The copies are asynchronous on the current stream,
+    ordered before anything the probe runs on it (or on a stream that waits on it)."""
 
     def __init__(self, tensors: Iterable[torch.Tensor]):
         seen: Dict[int, torch.Tensor] = {}
@@ -79,9 +88,16 @@ class TensorSnapshot:
             if isinstance(t, torch.Tensor) and id(t) not in seen:
                 seen[id(t)] = t
         with torch.no_grad():
-            self.saved = [(t, t.detach().clone()) for t in seen.values()]
+            self.saved = [(t, _saved_copy(t.detach())) for t in seen.values()]
 
     def restore(self) -> None:
         with torch.no_grad():
             for t, copy in self.saved:
-                t.copy_(copy)
+                t.copy_(copy, non_blocking=copy.device != t.device)
+
+
+def _saved_copy(t: torch.Tensor) -> torch.Tensor:
+    if t.is_cuda and t.numel() * t.element_size() > HOST_SNAPSHOT_BYTES:
+        host = torch.empty_like(t, device="cpu", pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+    return t.clone()

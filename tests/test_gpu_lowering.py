@@ -222,3 +222,27 @@ def test_a_staged_input_written_in_place_is_written_back():
     y = torch.arange(6.0, device=DEV)
     (s,) = replay((y, w))
     assert torch.equal(y, torch.arange(6.0, device=DEV) * 2) and s.item() == 30.0
+
+
+def test_a_large_snapshot_is_kept_on_the_host_and_put_back_bit_for_bit():
+    """The compile's snapshots (probationary call, warm-ups) of a large carry take no device
+    memory beside it, and restore every bit, NaN payloads and -0 included; small tensors are
+    cloned on the device."""
+    from cadence_fx.effects import HOST_SNAPSHOT_BYTES, TensorSnapshot
+    big = torch.randn(HOST_SNAPSHOT_BYTES // 4 * 8, device=DEV)
+    big[:3] = torch.tensor([-0.0, float("nan"), float("inf")])
+    big.view(torch.int32)[1] |= 0x1234   # a NaN with a payload
+    small = torch.randn(16, device=DEV)
+    bits = big.view(torch.int32).clone(), small.clone()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    snapshot = TensorSnapshot([big, small, big])
+    big.fill_(1.0)     # what the probe writes
+    small.fill_(2.0)
+    held = torch.cuda.max_memory_allocated() - before
+    assert held < big.numel() * big.element_size(), f"{held} bytes held on the device"
+    assert [c.device.type for _, c in snapshot.saved] == ["cpu", "cuda"]
+    snapshot.restore()
+    torch.cuda.synchronize()
+    assert torch.equal(big.view(torch.int32), bits[0]) and torch.equal(small, bits[1])
