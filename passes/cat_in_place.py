@@ -1,0 +1,271 @@
+"""Concatenations written in place: a ``cat`` whose whole value is copied into a buffer is computed
+in the buffer instead, its parts copied straight to their places. Case handled -- the Token2Wav
+DiT's attention, per block and Euler step::
+
+    before:  k = cat([k_new, k_cache], 2); v = cat([v_new, v_cache], 2); kv = cat([k, v], 3)
+             o = sdpa(q, k, v); ...; buf[b][:, :, :L].copy_(kv)     # three cats and a copy of L frames
+    after:   d = buf[b][:, :, :L]
+             d[..., :t, :64].copy_(k_new); d[..., t:, :64].copy_(k_cache)
+             d[..., :t, 64:].copy_(v_new); d[..., t:, 64:].copy_(v_cache)
+             o = sdpa(q, d[..., :64], d[..., 64:])                     # reads the buffer
+
+A copy is exact, so the buffer ends with the same bits either way. What changes is where the
+cat's other readers find its value: in the buffer, with the buffer's strides. Only readers that
+compute the same bits on those strides are moved: attention, whose kernel reads its operands
+through their strides (the backend ``torch._fused_sdp_choice`` picks must stay the same, and the
+operands stay aligned, so it is the same kernel on the same values). A cat read by anything else
+is kept and copied in whole.
+
+The writes move up, from the copy to the outermost cat: nothing between them may read or write
+the buffer or the parts' storage (by the traced storages, as the carry pass sees aliasing), and
+the buffer's view must be made from values that exist there. Invariant: the graph writes the same
+bits into the buffer and computes the same values everywhere else.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Dict, List
+
+import torch
+from torch.fx import GraphModule, Node
+
+from cadence_fx.fx_utils import CATS, aten, is_mutating, mutated_arg, storage_key, val
+
+__all__ = ["write_cats_in_place", "LAYOUT_FREE_READERS"]
+
+SDPA = aten.scaled_dot_product_attention.default
+SPLITS = (aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default)
+LAYOUT_FREE_READERS = (SDPA,)
+_ALIGN_BYTES = 16
+
+
+def _cat_dim(node: Node) -> int:
+    d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return d % val(node).dim()
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and all(
+        (s * t.element_size()) % _ALIGN_BYTES == 0 for s in t.stride()[:-1]) and \
+        (t.storage_offset() * t.element_size()) % _ALIGN_BYTES == 0
+
+
+def _sdpa_same(reader: Node, swaps: Dict[Node, torch.Tensor]) -> bool:
+    """The attention backend is the one it was, and the operands stay aligned, with ``swaps``
+    (node -> its value in the buffer) in place of the cat outputs it reads."""
+    from torch.fx.operator_schemas import normalize_function
+    found = normalize_function(reader.target, reader.args, reader.kwargs,
+                               normalize_to_only_use_kwargs=True)
+    if found is None or isinstance(found.kwargs.get("attn_mask"), Node):
+        return False     # a mask: left alone
+    kw = dict(found.kwargs)
+    qkv = [kw.pop(k) for k in ("query", "key", "value")]
+    if any(not isinstance(a, Node) or val(a) is None for a in qkv) or \
+            any(isinstance(v, Node) for v in kw.values()):
+        return False
+    before = [val(a) for a in qkv]
+    after = [swaps.get(a, val(a)) for a in qkv]
+    try:
+        same = torch._fused_sdp_choice(*before, **kw) == torch._fused_sdp_choice(*after, **kw)
+    except (RuntimeError, TypeError):
+        return False
+    return same and all(_aligned(t) for t in after)
+
+
+def _same_storage(node: Node, key) -> bool:
+    other = storage_key(node)
+    return other is not None and other == key
+
+
+def _view(d: torch.Tensor, box) -> torch.Tensor:
+    for dim, (a, b) in enumerate(box):
+        d = d.narrow(dim, a, b - a)
+    return d
+
+
+def _merge_splits(leaves: List[tuple]) -> List[tuple]:
+    """Parts that are all the pieces of one ``chunk``/``split`` of a tensor, landing side by side
+    in its order along the split dim (and in the same place along every other), become one copy
+    of that tensor: the K and V halves of a cache are one copy of the cache."""
+    pieces: Dict[Node, Dict[int, tuple]] = {}
+    for part, box in leaves:
+        if part.target is operator.getitem and part.args[0].target in SPLITS:
+            pieces.setdefault(part.args[0], {})[part.args[1]] = box
+    merged: Dict[Node, tuple] = {}
+    for split, found in pieces.items():
+        source = split.args[0]
+        dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % val(source).dim()
+        outs = split.meta.get("val")
+        if not isinstance(outs, (list, tuple)) or sorted(found) != list(range(len(outs))):
+            continue
+        boxes = [found[i] for i in range(len(outs))]
+        side_by_side = all(
+            all(b[k] == boxes[0][k] for k in range(len(b)) if k != dim) for b in boxes) and all(
+            boxes[i][dim][1] == boxes[i + 1][dim][0] for i in range(len(boxes) - 1))
+        if side_by_side and boxes[-1][dim][1] - boxes[0][dim][0] == val(source).shape[dim] \
+                and val(source).dtype == outs[0].dtype:
+            box = list(boxes[0])
+            box[dim] = (boxes[0][dim][0], boxes[-1][dim][1])
+            merged[split] = tuple(box)
+    out, done = [], set()
+    for part, box in leaves:
+        split = part.args[0] if part.target is operator.getitem else None
+        if split in merged:
+            if split not in done:
+                out.append((split.args[0], merged[split]))
+                done.add(split)
+        else:
+            out.append((part, box))
+    return out
+
+
+class _Tree:
+    """The cats to place, outermost first, with the buffer view each one lands in."""
+
+    def __init__(self, gm: GraphModule, write: Node):
+        self.gm, self.write = gm, write
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.dst, self.top = write.args[0], write.args[1]
+        self.cats: List[Node] = []      # every cat placed, outermost first
+        self.parts: List[Node] = []     # what is copied into the buffer
+
+    def collect(self, cat: Node, readers_ok) -> bool:
+        self.cats.append(cat)
+        for part in cat.args[0]:
+            inner = (isinstance(part, Node) and part.op == "call_function" and part.target in CATS
+                     and val(part) is not None and val(part).dtype == val(cat).dtype
+                     and all(u in self.cats or u is cat or readers_ok(u) for u in part.users))
+            if inner:
+                if not self.collect(part, readers_ok):
+                    return False
+            elif isinstance(part, Node) and val(part) is not None and val(part).dtype == val(cat).dtype:
+                self.parts.append(part)
+            else:
+                return False
+        return True
+
+
+def write_cats_in_place(gm: GraphModule, device: str) -> int:
+    """Rewrite every ``copy_(buffer, cat(...))`` on ``device`` this way; returns how many cats
+    are no longer computed."""
+    removed = 0
+    for write in [n for n in gm.graph.nodes if n.op == "call_function"
+                  and n.target is aten.copy_.default]:
+        removed += _rewrite(gm, write, device)
+    if removed:
+        gm.graph.lint()
+        gm.recompile()
+    return removed
+
+
+def _rewrite(gm: GraphModule, write: Node, device: str) -> int:
+    dst, top = write.args[0], write.args[1] if len(write.args) > 1 else None
+    if (write.users or write.kwargs or not isinstance(top, Node) or top.op != "call_function"
+            or top.target not in CATS or list(top.users) != [write]):
+        return 0
+    d, t = val(dst), val(top)
+    if (d is None or t is None or d.device.type != device or d.dtype != t.dtype
+            or tuple(d.shape) != tuple(t.shape) or d.device != t.device):
+        return 0
+    tree = _Tree(gm, write)
+    readers: List[Node] = []
+
+    def reader_ok(u: Node) -> bool:
+        if u.op == "call_function" and u.target in LAYOUT_FREE_READERS:
+            readers.append(u)
+            return True
+        return False
+
+    if not tree.collect(top, reader_ok):
+        return 0
+    order = tree.order
+    first, at = min(order[c] for c in tree.cats), order[top]
+    if any(not at < order[r] < order[write] for r in readers):
+        return 0     # a reader before the writes, or after the copy (the buffer may change)
+    # the buffer's view is remade where the writes go: from nodes that exist there
+    chain, node = [], dst
+    while isinstance(node, Node) and node.op == "call_function" and order[node] > at:
+        if node.target not in (aten.slice.Tensor, aten.select.int, aten.narrow.default,
+                               aten.view.default, aten.alias.default):
+            return 0
+        chain.append(node)
+        node = node.args[0]
+    if any(isinstance(a, Node) and order[a] > at for c in chain for a in c.all_input_nodes
+           if a not in chain):
+        return 0
+    buffer = storage_key(dst)
+    keys = [storage_key(p) for p in tree.parts]
+    if buffer is None or any(k is None for k in keys):
+        return 0
+    parts = set(keys)
+    if buffer in parts:
+        return 0
+    # nothing between the first cat and the copy reads or writes the buffer, nor writes a part
+    placed, moved = set(tree.cats), set(readers) | set(chain) | {write}
+    for n in list(gm.graph.nodes)[first:order[write]]:
+        if n in placed or n in moved:
+            continue
+        if is_mutating(n):
+            target = mutated_arg(n)
+            key = storage_key(target) if target is not None else None
+            if key is None or key == buffer or key in parts:
+                return 0
+        if any(_same_storage(a, buffer) for a in n.all_input_nodes):
+            return 0
+    # the box (start, stop per dim) of the buffer each cat and part lands in
+    boxes: Dict[Node, tuple] = {top: tuple((0, size) for size in d.shape)}
+    leaves: List[tuple] = []
+    for cat in tree.cats:
+        dim, offset = _cat_dim(cat), boxes[cat][_cat_dim(cat)][0]
+        for part in cat.args[0]:
+            n = val(part).shape[dim]
+            box = list(boxes[cat])
+            box[dim] = (offset, offset + n)
+            offset += n
+            if part in tree.cats:
+                boxes[part] = tuple(box)
+            else:
+                leaves.append((part, tuple(box)))
+    if not all(_sdpa_same(r, {c: _view(d, boxes[c]) for c in tree.cats}) for r in set(readers)):
+        return 0
+    # rewrite: the buffer's view after the outermost cat, then every part copied to its place
+    graph = gm.graph
+    cursor = top
+
+    def emit(target, args, value) -> Node:
+        nonlocal cursor
+        with graph.inserting_after(cursor):
+            cursor = graph.call_function(target, args)
+        cursor.meta["val"] = value
+        return cursor
+
+    base = dst
+    if chain:            # the buffer's view, remade after the outermost cat
+        env: Dict[Node, Node] = {}
+        for c in reversed(chain):
+            with graph.inserting_after(cursor):
+                cursor = env[c] = graph.node_copy(c, lambda a: env.get(a, a))
+        base = env[chain[0]]
+
+    def view_of(box) -> Node:
+        node, value = base, d
+        for dim, ((a, b), size) in enumerate(zip(box, d.shape)):
+            if (a, b) != (0, size):
+                value = value.narrow(dim, a, b - a)
+                node = emit(aten.slice.Tensor, (node, dim, a, b), value)
+        return node
+
+    made = {c: view_of(boxes[c]) for c in tree.cats if any(u in readers for u in c.users)}
+    for part, box in _merge_splits(leaves):
+        emit(aten.copy_.default, (view_of(box), part), _view(d, box))
+    for cat in tree.cats:
+        for u in list(cat.users):
+            if u not in tree.cats and u is not write:
+                u.replace_input_with(cat, made[cat])
+    graph.erase_node(write)
+    for c in chain:      # the copy's own view of the buffer, unless read elsewhere
+        if not c.users:
+            graph.erase_node(c)
+    for cat in tree.cats:    # outermost first: each one's users are gone by then
+        graph.erase_node(cat)
+    return len(tree.cats)
