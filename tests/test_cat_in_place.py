@@ -228,7 +228,7 @@ def test_real_cfm_on_the_device_splits_biases_copies_norm_inputs_and_writes_cats
     verdicts, _ = _lockstep(step, compiled, spks, prompt_state, chunks)
     assert all(v["mel"] and v["att"] and v["cnn"] for v in verdicts)
     k = compiled.counters
-    assert k.fallbacks == 0 and k.replays >= len(WIDTHS) - len(compiled.classes)
+    assert k.fallbacks == 0 and k.replays == k.calls == len(WIDTHS)
     assert k.fused_regions > 0 and k.fusions_refused == 0
     for entry in compiled.classes.values():
         f = entry.records["fusion"]
