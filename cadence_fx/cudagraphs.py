@@ -48,6 +48,9 @@ class CudaGraphBackend:
         self.copy_outputs = copy_outputs
         self.warm_up = warm_up       # warm every piece up before its first capture attempt
         self.pool = None
+        # one side stream for every eager warm-up: the BLAS libraries keep a workspace per
+        # stream they run on (32 MiB each for cuBLAS on Hopper) for the life of the process
+        self._side: Optional[torch.cuda.Stream] = None
         self._graphs = weakref.WeakSet()   # the graphs captured into ``pool`` still alive
         self.captured = 0
         self.capture_seconds = 0.0   # staging, capture and any warm-up of every piece
@@ -165,7 +168,9 @@ class CudaGraphBackend:
         else:
             self.warmups += 1
         try:
-            side = torch.cuda.Stream()
+            if self._side is None or self._side.device.index != torch.cuda.current_device():
+                self._side = torch.cuda.Stream()
+            side = self._side
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side), torch.no_grad():
                 piece.module(*args)
