@@ -93,6 +93,8 @@ def _parser():
     ap.add_argument("--chunks", type=int, default=12)
     ap.add_argument("--blocks", type=int, default=BLOCKS, help="timed passes over the stream")
     ap.add_argument("--tm-timeout", type=int, default=300)
+    ap.add_argument("--t-timeout", type=int, default=0,
+                    help="run T in a subprocess under this wall-clock limit (s); 0: in process")
     ap.add_argument("--t-mode", default="reduce-overhead", help="torch.compile mode of T")
     ap.add_argument("--t-target", default="step", choices=("step", "estimator"),
                     help="what T compiles first (the estimator is the fallback either way)")
