@@ -20,7 +20,8 @@ them there; ``bench/suite_moshi.py`` runs them so):
   main/depth steps, with its lazy ``torch.compile`` of rope, RMS norm and gating. Streaming is
   entered once and reset between streams, as a server does; a warm-up stream captures first.
 * ``cadence``: ``MoshiStep`` compiled by cadence_fx as shipped (exact fusion on; ``--no-fuse``
-  without it); a warm-up stream traces, fuses and captures.
+  without it), the state donated as a server gives it (``donate_state=True``: the rings become
+  the carries; ``--no-donate`` copies them); a warm-up stream traces, fuses and captures.
 
 Per configuration: per-frame p50/p95 (CUDA events, timed streams only), frames bit-exact against
 E (``torch.equal`` on PCM and tokens), peak memory (``max_memory_allocated``/``memory_reserved``
@@ -298,6 +299,8 @@ def _parser():
     ap.add_argument("--ref", help="E's outputs: written by a process that runs E, read by one "
                                   "that does not (each row in a process of its own)")
     ap.add_argument("--no-fuse", action="store_true", help="cadence without exact fusion")
+    ap.add_argument("--no-donate", action="store_true",
+                    help="cadence copies the first state into new carries (donate_state=False)")
     return ap
 
 
@@ -369,7 +372,10 @@ def cadence_row(mimi, lm_gen, args, warm, timed_streams, reset_at, ref, e):
     then closed and freed, so a later row in this process does not count its memory."""
     step = M.MoshiStep(mimi, lm_gen)
     adapter = M.moshi_adapter(M.SMALL_LM if args.small else None)
-    compiled = cadence_fx.compile(step, adapter, fuse=not args.no_fuse)
+    # a server gives each stream's state to the step (the stock loop lets its modules write
+    # theirs in place): the rings become the carries, the state is held once
+    compiled = cadence_fx.compile(step, adapter, fuse=not args.no_fuse,
+                                  donate_state=not args.no_donate)
     t1 = time.perf_counter()
     with PhasePeaks() as phases:
         cadence_streams(step, compiled, warm, reset_at)   # traces and captures every class
@@ -384,6 +390,7 @@ def cadence_row(mimi, lm_gen, args, warm, timed_streams, reset_at, ref, e):
              steady_replays=k.replays - before[0], steady_fallbacks=k.fallbacks - before[1],
              eager_pieces=k.eager_pieces, fused_regions=k.fused_regions,
              fusions_refused=k.fusions_refused, fuse=not args.no_fuse, status="ok",
+             donate_state=not args.no_donate, adoptions=k.adoptions, absorptions=k.absorptions,
              fallback_reasons=dict(k.reasons), process_peak_bytes=process_peak(),
              compile_peak_bytes=compile_peak, compile_phases=phases.phases,
              # where the held bytes are: carries, private buffers, the captured graphs' pool

@@ -165,10 +165,26 @@ class Admission:
             carries[r.name] = carry
         return carry
 
+    def _adoptable(self, r: Region, t: torch.Tensor) -> bool:
+        """``t`` has the layout ``allocate`` would give the carry: the declared shape at the
+        declared extent, contiguous, alone in its storage, a normal tensor (an inference tensor
+        cannot be written outside inference mode) that needs no gradient."""
+        shape = [self.adapter.dim_size(d, r) for d in r.shape] if r.shape else list(t.shape)
+        shape[r.dim] = self.catalog.region(r.name).declared_extent
+        storage = t.untyped_storage()
+        return (list(t.shape) == shape and t.is_contiguous() and t.storage_offset() == 0
+                and storage.nbytes() == t.numel() * t.element_size()
+                and not t.is_inference() and not t.requires_grad)
+
     def absorb(self, r: Region, t: torch.Tensor, carries: Dict[str, Carry],
-               counters: Counters) -> torch.Tensor:
+               counters: Counters, adopt: bool = False) -> torch.Tensor:
         """``t`` as the leading view of the region's carry (allocated on first sight at the
-        declared extent), copying it in unless it already is that view."""
+        declared extent), copying it in unless it already is that view. ``adopt``: a ``t`` that
+        arrives before the carry exists, in the carry's exact layout, becomes the carry."""
+        if adopt and r.name not in carries and self._adoptable(r, t):
+            carries[r.name] = Carry(r, t.detach())
+            counters.adoptions += 1
+            return carries[r.name].view(t.shape[r.dim])
         carry = self.allocate(r, t, carries)
         frames = t.shape[r.dim]
         if carry.is_stale(t):

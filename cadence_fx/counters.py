@@ -21,6 +21,7 @@ class Counters:
     fallbacks: int = 0        # calls or pieces sent to eager by a guard
     invalidations: int = 0    # classes dropped because a fixed address drifted
     absorptions: int = 0      # foreign state copied into a carry (first call, turn resets)
+    adoptions: int = 0        # donated states that became their region's carry (donate_state)
     retentions: int = 0       # retention writes applied to a carry
     applications: int = 0     # carry writes of any kind (retention, append, materialize)
     traces: int = 0           # signatures traced

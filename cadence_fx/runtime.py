@@ -51,7 +51,7 @@ class CompiledStep:
                  carries: Optional[Dict[str, Carry]] = None, graphs: bool = True,
                  copy_outputs: bool = True, release_envelopes: bool = False,
                  trace_cache: Optional[dict] = None, keep_before: bool = True,
-                 cache_dir=None):
+                 cache_dir=None, donate_state: bool = False):
         self.step = step
         self.adapter = adapter.validate()
         self.catalog: Catalog = build_catalog(adapter)
@@ -63,6 +63,7 @@ class CompiledStep:
         self.graphs = graphs
         self.copy_outputs = copy_outputs
         self.release_envelopes = release_envelopes
+        self.donate_state = donate_state   # a first state of the carry's layout becomes the carry
         self.trace_cache = trace_cache    # shared between compiled steps of one module, if given
         self.keep_before = keep_before    # each class's graph before the passes, for the report
         self.before: Dict[Tuple, object] = {}   # class key -> its TracedStep before the passes
@@ -112,7 +113,7 @@ class CompiledStep:
             for r in self.adapter.regions:
                 if r.input in by_path and r.fixed_address:
                     by_path[r.input] = self.admission.absorb(r, by_path[r.input], self.carries,
-                                                             self.counters)
+                                                             self.counters, adopt=self.donate_state)
         key = self._signature(by_path, spec)
         if key in self._rejected:
             return None, by_path, self._rejected[key]
@@ -227,7 +228,7 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
             carries: Optional[Dict[str, Carry]] = None, copy_outputs: bool = True,
             options: Optional[Options] = None, release_envelopes: bool = False,
             trace_cache: Optional[dict] = None, keep_before: bool = True,
-            cache_dir=None) -> CompiledStep:
+            cache_dir=None, donate_state: bool = False) -> CompiledStep:
     """Compile a streaming step against an adapter.
 
     ``step`` is a module (its ``forward`` is the step) or a callable; a plain callable names the
@@ -251,6 +252,13 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
     ``cache_dir`` (default: ``CADENCE_FX_CACHE_DIR`` when set) keeps each class's trace on disk,
     so a restarted process loads it instead of tracing (``compile_cache.py``; ``cadence-fx cache
     ls|clear``); the passes, the probationary call and the capture run again.
+    ``donate_state=True`` gives the state a stream starts with to the compiled step: a region
+    tensor that arrives before its carry exists and already has the carry's layout (the declared
+    extent, contiguous, owning its storage) becomes the carry instead of being copied into a new
+    one, so the state is held once, not twice (``counters.adoptions``). The caller's tensor is
+    written from then on, as the stock step of a model that updates its state in place (Moshi's
+    ring caches) writes it; keep a clone of any state to be reused (a speaker's prompt). Without
+    it a state passed in is never written.
     """
     if tracing_mode != "fake":
         raise ValueError(f"tracing_mode {tracing_mode!r}: cadence_fx traces exact shapes with fake "
@@ -273,6 +281,6 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
                         backend=backend, tracing_mode=tracing_mode, carries=carries,
                         graphs=graphs, copy_outputs=copy_outputs,
                         release_envelopes=release_envelopes, trace_cache=trace_cache,
-                        keep_before=keep_before,
+                        keep_before=keep_before, donate_state=donate_state,
                         cache_dir=cache_dir if cache_dir is not None
                         else os.environ.get("CADENCE_FX_CACHE_DIR") or None)

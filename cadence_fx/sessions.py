@@ -60,6 +60,11 @@ class SessionPool:
     """Sessions over one ``CompiledStep`` (see the module docstring)."""
 
     def __init__(self, compiled):
+        if getattr(compiled, "donate_state", False):
+            raise ContractError(
+                "a session pool keeps every starting state unwritten (one speaker's prompt may "
+                "open many sessions), but this step was compiled with donate_state=True, which "
+                "takes the first state over as its carry; compile it without donate_state")
         self.compiled = compiled
         self.adapter = compiled.adapter
         args = list(compiled._arguments.parameters)

@@ -176,3 +176,32 @@ def test_a_restarted_moshi_server_loads_every_frame_class_compiled(tmp_path):
     assert (first.traces, first.cache_loads) == (3, 0)
     restarted = serve()
     assert (restarted.traces, restarted.cache_loads, restarted.compiled_loads) == (0, 3, 3)
+
+
+def test_a_donated_state_is_the_carry_and_the_only_copy_of_the_state():
+    """``donate_state=True`` (a server that gives each stream's state to the step, as the stock
+    loop lets its modules write theirs): Mimi's rings, already at the declared size, become the
+    carries themselves -- nothing allocated beside them, nothing copied, the modules' own caches
+    are the carries; the input conv's context (6 samples, its carry the 1926-sample window) is
+    copied as always -- and the stream, turn reset included, is stock's."""
+    mimi = M.build_mimi(seed=0)
+    frames = _frames(5)
+    stock = M.stock_stream(mimi, None, frames, reset_at=3)
+    step = M.MimiStep(mimi)
+    compiled = cadence_fx.compile(step, "moshi-mimi", donate_state=True)
+    state = step.initial_state()
+    given = {k: state[k].data_ptr() for k in ("mimi_encoder_kv", "mimi_decoder_kv")}
+    outs = []
+    for i, frame in enumerate(frames):
+        if i == 3:
+            state = step.reset_state(state)
+        with torch.no_grad():
+            codes, pcm, state = compiled(frame, state)
+        outs.append((codes.clone(), pcm.clone()))
+    assert [_same(s[0], o[0]) and _same(s[1], o[1]) for s, o in zip(stock, outs)] == [True] * 5
+    k = compiled.counters
+    assert (k.compiled_calls, k.fallbacks, k.adoptions, k.absorptions) == (5, 0, 2, 1)
+    for name, ptr in given.items():
+        assert compiled.carries[name].tensor.data_ptr() == ptr == state[name].data_ptr()
+    holder = mimi.encoder_transformer.transformer.layers[0].self_attn._streaming_state
+    assert holder.kv_cache.cache.data_ptr() == given["mimi_encoder_kv"]

@@ -308,3 +308,51 @@ def test_a_wrong_shaped_call_raises_torchs_error_without_a_fake_tensor_traceback
     with torch.no_grad():   # the right shape still compiles and runs
         compiled(torch.randn(1, 8, 64), state)
     assert compiled.counters.compiled_calls == 1
+
+
+# -- a donated starting state ----------------------------------------------------------------------
+
+def test_a_donated_state_narrower_than_its_carry_is_copied_as_always():
+    """``donate_state=True`` takes over only a state already in its carry's layout: the
+    conformer's carries are wider than a prompt's state (room for the catalog's extents), so
+    every region is copied, the donated tensors are not written, and the stream is stock's."""
+    from streaming_conformer import (CONFORMER_ADAPTER, LAYERS, chunk_feats, clone_state,
+                                     make_model, prompt_feats)
+    stock_model, model = make_model(), make_model()
+    with torch.no_grad():
+        _, prompt = stock_model(prompt_feats(0), None)
+    compiled = cadence_fx.compile(model, CONFORMER_ADAPTER, donate_state=True)
+    ref_state, donated = clone_state(prompt), clone_state(prompt)
+    ours_state = donated
+    for n, x in enumerate(chunk_feats([8, 12, 8, 4], seed=11)):
+        with torch.no_grad():
+            torch.manual_seed(n)
+            out, ours_state = compiled(x, ours_state)
+            torch.manual_seed(n)
+            ref, ref_state = stock_model(x, ref_state)
+        assert torch.equal(out, ref) and all(torch.equal(ours_state[k], ref_state[k]) for k in ref_state)
+    k = compiled.counters
+    assert (k.compiled_calls, k.fallbacks, k.adoptions, k.absorptions) == (4, 0, 0, 3 * LAYERS)
+    assert all(torch.equal(donated[k], prompt[k]) for k in prompt)
+
+
+def test_without_donation_a_state_of_the_carrys_layout_is_copied_and_never_written():
+    from streaming_conformer import CONFORMER_ADAPTER, LAYERS, chunk_feats, clone_state, make_model, prompt_feats
+    model = make_model()
+    with torch.no_grad():
+        _, prompt = make_model()(prompt_feats(0), None)
+    kept = clone_state(prompt)
+    compiled = cadence_fx.compile(model, CONFORMER_ADAPTER)
+    with torch.no_grad():
+        compiled(chunk_feats([8], seed=2)[0], prompt)
+    assert compiled.counters.adoptions == 0 and compiled.counters.absorptions == 3 * LAYERS
+    assert all(torch.equal(prompt[k], kept[k]) for k in kept)
+
+
+def test_a_session_pool_refuses_a_step_that_takes_its_states_over():
+    from cadence_fx.errors import ContractError
+    from cadence_fx.sessions import SessionPool
+    from streaming_conformer import CONFORMER_ADAPTER, make_model
+    compiled = cadence_fx.compile(make_model(), CONFORMER_ADAPTER, donate_state=True)
+    with pytest.raises(ContractError, match="donate_state"):
+        SessionPool(compiled)
