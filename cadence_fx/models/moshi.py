@@ -219,16 +219,29 @@ class _ExplicitState(nn.Module):
         return slots
 
     def _read_fresh(self) -> Dict[str, torch.Tensor]:
+        """The modules' fresh streaming state as the step's dict; each per-layer ring is copied
+        into its stacked tensor and rebound to that slice one layer at a time, so the layer's own
+        cache is let go before the next is copied: the state never exists twice (stacking the
+        7B LM's rings at once would hold 1.6 GB twice)."""
         state: Dict[str, torch.Tensor] = {}
-        stacked: Dict[str, List[torch.Tensor]] = {}
+        stacked: Dict[str, List[_Slot]] = {}
         for s in self._all_slots():
-            value = getattr(s.holder, s.attr)
             if s.index is None:
-                state[s.key] = value.clone()
+                state[s.key] = getattr(s.holder, s.attr).clone()
             else:
-                stacked.setdefault(s.key, []).append(value)
-        for key, layers in stacked.items():
-            state[key] = torch.stack(layers)
+                stacked.setdefault(s.key, []).append(s)
+        for key, slots in stacked.items():
+            like = getattr(slots[0].holder, slots[0].attr)
+            layers = max(s.index for s in slots) + 1
+            if sorted(s.index for s in slots) != list(range(layers)):
+                raise RuntimeError(f"{key}: ring caches of layers {sorted(s.index for s in slots)}")
+            out = torch.empty((layers, *like.shape), dtype=like.dtype, device=like.device)
+            del like
+            with torch.no_grad():
+                for s in slots:
+                    out[s.index].copy_(getattr(s.holder, s.attr))
+                    setattr(s.holder, s.attr, out[s.index])
+            state[key] = out
         return state
 
     def _keep_initial(self, state: Dict[str, torch.Tensor]) -> None:
