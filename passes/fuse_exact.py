@@ -52,6 +52,7 @@ from cadence_fx import fusion
 from cadence_fx.context import PassContext
 from cadence_fx.fusion import FusedRegion
 from cadence_fx.passes.cat_in_place import write_cats_in_place
+from cadence_fx.passes.epilogues import contiguous_norm_inputs, split_conv_bias
 from cadence_fx.fx_utils import aten, graph_module, is_mutating, step_device, subgraph, val
 
 __all__ = ["fuse_exact", "EXACT_OPS", "VIEWS", "fusible", "is_kernel"]
@@ -210,7 +211,9 @@ def fuse_exact(gm: GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False)
     records["cats_in_place"] = write_cats_in_place(gm, device)
     records["conv_bias_split"] = split_conv_bias(gm, device)
-    records["norm_inputs_copied"] = contiguous_norm_inputs(gm, device)
+    records["norm_inputs_copied"] = contiguous_norm_inputs(
+        gm, device, lambda n: fusible(n, device) and is_kernel(n),
+        lambda n: n.op == "call_function" and n.target in VIEWS and fusible(n, device))
     runs = regions_in_order(gm.graph, device)
     counters = getattr(ctx, "counters", None)
     made = 0
@@ -226,109 +229,6 @@ def fuse_exact(gm: GraphModule, ctx: PassContext) -> PassResult:
                                    "ops": sorted({n.target.__name__ for n in kernels})})
         made += 1
     return PassResult(gm, made > 0)
-
-
-# -- stock epilogues made separate ops, so they can join a region -----------------------------------
-
-CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)
-# the backends that run the convolution without its bias and then ``output.add_(bias)``
-# (ATen's Convolution.cpp: "cuDNN convolutions does not handle bias. Bias is handled outside.")
-BIAS_ADDED_AFTER = ("Cudnn", "CudnnTranspose")
-
-
-def _conv_args(node: Node) -> Optional[dict]:
-    """The convolution's arguments by name, as its schema has them."""
-    from torch.fx.operator_schemas import normalize_function
-    found = normalize_function(node.target, node.args, node.kwargs,
-                               normalize_to_only_use_kwargs=True)
-    return None if found is None else dict(found.kwargs)
-
-
-def bias_added_after(node: Node) -> bool:
-    """Whether ATen runs this convolution as the convolution without its bias and then an
-    in-place add of the bias: the backend (``torch._C._select_conv_backend`` on the traced
-    values) is cuDNN, with the bias and without it."""
-    kw = _conv_args(node)
-    if kw is None or not isinstance(kw.get("bias"), Node):
-        return False
-    spatial = val(kw["input"]).dim() - 2
-    common = {"transposed": kw.get("transposed", False), "groups": kw.get("groups", 1)}
-    for k, default in (("stride", 1), ("padding", 0), ("dilation", 1), ("output_padding", 0)):
-        v = kw.get(k, default)
-        common[k] = [v] * spatial if isinstance(v, int) else v
-        if not isinstance(common[k], (list, tuple)) or not all(isinstance(i, int) for i in common[k]):
-            return False   # ``padding="same"``, symbolic sizes: left alone
-    x, w, b = val(kw["input"]), val(kw["weight"]), val(kw["bias"])
-    try:
-        with_bias = torch._C._select_conv_backend(x, w, bias=b, **common)
-        without = torch._C._select_conv_backend(x, w, bias=None, bias_sizes=None, **common)
-    except (RuntimeError, TypeError):   # a form the selector does not take: left alone
-        return False
-    return with_bias.name in BIAS_ADDED_AFTER and without.name == with_bias.name
-
-
-def split_conv_bias(gm: GraphModule, device: str) -> int:
-    """``conv(x, w, b)`` whose backend adds the bias after the convolution (cuDNN) becomes
-    ``conv(x, w, None) + b.view(1, C, 1...)``: the same convolution call and the same IEEE add,
-    now an op of its own that may join the region after it. Returns how many were split."""
-    split = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in CONVS:
-            continue
-        out = val(node)
-        if (out is None or out.device.type != device or out.dtype not in FLOAT
-                or not bias_added_after(node)):
-            continue
-        kw = _conv_args(node)
-        bias = kw["bias"]
-        shape = [1, val(bias).numel()] + [1] * (out.dim() - 2)
-        with gm.graph.inserting_before(node):
-            bare = gm.graph.call_function(node.target, (), {**kw, "bias": None})
-            bare.meta = dict(node.meta)
-            view = gm.graph.call_function(aten.view.default, (bias, shape))
-            view.meta["val"] = val(bias).view(shape)
-            add = gm.graph.call_function(aten.add.Tensor, (bare, view))
-            add.meta = dict(node.meta)
-        node.replace_all_uses_with(add)
-        gm.graph.erase_node(node)
-        split += 1
-    if split:
-        gm.graph.lint()
-        gm.recompile()
-    return split
-
-
-# ops whose device kernel copies a strided input to a contiguous one first (``expect_contiguous``)
-# and computes the same on the copy: an explicit copy before them is theirs, and may be fused
-NORMS_COPYING_INPUT = (aten.layer_norm.default, aten.native_layer_norm.default)
-
-
-def contiguous_norm_inputs(gm: GraphModule, device: str) -> int:
-    """A strided input of a LayerNorm made by a fusible kernel (through views) is copied to a
-    contiguous one explicitly, as the norm's kernel would copy it itself: the copy then joins the
-    region that makes the input (one kernel fewer). Returns how many were inserted."""
-    made = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in NORMS_COPYING_INPUT:
-            continue
-        x = node.args[0]
-        v = val(x) if isinstance(x, Node) else None
-        if v is None or v.device.type != device or v.is_contiguous():
-            continue
-        base = x
-        while base.op == "call_function" and base.target in VIEWS and fusible(base, device):
-            base = base.args[0]
-        if not (fusible(base, device) and is_kernel(base)):
-            continue   # nothing to fuse the copy with: the norm's own copy costs the same
-        with gm.graph.inserting_before(node):
-            copy = gm.graph.call_function(aten.clone.default, (x,),
-                                          {"memory_format": torch.contiguous_format})
-        copy.meta["val"] = v.clone(memory_format=torch.contiguous_format)
-        node.replace_input_with(x, copy)
-        made += 1
-    if made:
-        gm.recompile()
-    return made
 
 
 def regions_in_order(graph, device: Optional[str] = None) -> List[List[Node]]:

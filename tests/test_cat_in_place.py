@@ -1,5 +1,5 @@
 """Concatenations written in place (passes/cat_in_place.py) and the stock epilogues split off ahead
-of fusion (passes/fuse_exact.py: a cuDNN convolution's bias, a LayerNorm's strided input).
+of fusion (passes/epilogues.py: a cuDNN convolution's bias, a LayerNorm's strided input).
 
 The pass is exercised on the DiT attention's own shape (K/V cats copied into a scratch buffer and
 read by attention), on the cases it must leave alone (a reader that is not attention, a write to
@@ -25,6 +25,15 @@ from cadence_fx.passes.cat_in_place import write_cats_in_place
 from streaming_conformer import one_thread  # noqa: F401 - autouse: one intra-op thread per file
 
 fuse_exact_module = sys.modules["cadence_fx.passes.fuse_exact"]
+epilogues = sys.modules["cadence_fx.passes.epilogues"]
+
+
+def _norm_inputs(gm):
+    """``contiguous_norm_inputs`` with fusion's own predicates, as ``fuse_exact`` runs it."""
+    fe = fuse_exact_module
+    return epilogues.contiguous_norm_inputs(
+        gm, "cpu", lambda n: fe.fusible(n, "cpu") and fe.is_kernel(n),
+        lambda n: n.op == "call_function" and n.target in fe.VIEWS and fe.fusible(n, "cpu"))
 HEADS, HEAD_DIM, HELD = 4, 8, 12
 
 
@@ -153,13 +162,13 @@ def _conv_traced():
 
 def test_a_bias_added_after_the_convolution_becomes_an_add_and_a_norm_input_a_copy(monkeypatch):
     gm, run, args = _conv_traced()
-    monkeypatch.setattr(fuse_exact_module, "bias_added_after", lambda node: True)   # as cuDNN does
-    assert fuse_exact_module.split_conv_bias(gm, "cpu") == 2
+    monkeypatch.setattr(epilogues, "bias_added_after", lambda node: True)   # as cuDNN does
+    assert epilogues.split_conv_bias(gm, "cpu") == 2
     convs = _ops(gm, aten.conv1d.default)
     assert len(convs) == 2 and all(c.kwargs["bias"] is None for c in convs)
     adds = [u for c in convs for u in c.users]
     assert [a.target for a in adds] == [aten.add.Tensor] * 2
-    assert fuse_exact_module.contiguous_norm_inputs(gm, "cpu") == 1
+    assert _norm_inputs(gm) == 1
     (norm,) = _ops(gm, aten.layer_norm.default)
     copy = norm.args[0]
     assert copy.target is aten.clone.default and copy.meta["val"].is_contiguous()
@@ -172,9 +181,9 @@ def test_a_bias_added_after_the_convolution_becomes_an_add_and_a_norm_input_a_co
 
 def test_a_convolution_whose_backend_adds_the_bias_itself_is_left_alone():
     gm, _, _ = _conv_traced()
-    assert not any(fuse_exact_module.bias_added_after(c) for c in _ops(gm, aten.conv1d.default))
-    assert fuse_exact_module.split_conv_bias(gm, "cpu") == 0     # the CPU's own kernels
-    assert fuse_exact_module.contiguous_norm_inputs(gm, "cpu") == 0   # made by a stock kernel
+    assert not any(epilogues.bias_added_after(c) for c in _ops(gm, aten.conv1d.default))
+    assert epilogues.split_conv_bias(gm, "cpu") == 0     # the CPU's own kernels
+    assert _norm_inputs(gm) == 0                         # made by a stock kernel
 
 
 # -- the real Token2Wav CFM chunk ------------------------------------------------------------------
