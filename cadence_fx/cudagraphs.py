@@ -179,6 +179,8 @@ class CudaGraphBackend:
         except Exception as e:  # noqa: BLE001 - the piece stays eager, with the reason
             return f"warm-up failed: {type(e).__name__}: {e}"
         finally:
+            if not torch.cuda.is_current_stream_capturing():
+                torch.cuda.synchronize()   # nothing of the warm-up still runs when it is put back
             effects = rng.effects()
             state.restore()
             rng.restore()

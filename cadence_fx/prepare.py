@@ -29,6 +29,8 @@ def prepare(cs, args, kwargs) -> bool:
     rng, counters = RngSnapshot(), copy.deepcopy(cs.counters)
     handed_out = {name: c.handed_out for name, c in cs.carries.items()}
     entry = None
+    # an example is not the stream's state: it is copied into the carries, never taken over
+    donate, cs.donate_state = cs.donate_state, False
     try:
         entry, by_path, _ = cs._select(args, kwargs)
         if entry is not None:
@@ -40,6 +42,7 @@ def prepare(cs, args, kwargs) -> bool:
             finally:
                 written.restore()
     finally:
+        cs.donate_state = donate
         snapshot.restore()
         rng.restore()
         for f in dataclasses.fields(counters):  # preparing is not traffic: counters stay put

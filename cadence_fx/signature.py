@@ -22,8 +22,21 @@ def global_signature() -> tuple:
             autocast.append((dev, on, torch.get_autocast_dtype(dev) if on else None))
         except (TypeError, RuntimeError):  # pragma: no cover - device type unknown to this build
             pass
-    cudnn = torch.backends.cudnn
+    cudnn, cuda = torch.backends.cudnn, torch.backends.cuda
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), tuple(autocast),
             torch.are_deterministic_algorithms_enabled(),
-            (cudnn.enabled, cudnn.deterministic, cudnn.allow_tf32, cudnn.benchmark,
-             torch.backends.cuda.matmul.allow_tf32))
+            (cudnn.enabled, cudnn.deterministic, cudnn.benchmark, _precisions()),
+            (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
+             cuda.cudnn_sdp_enabled()))
+
+
+def _precisions() -> tuple:
+    """The fp32 precision of matmuls and convolutions (TF32 or not). Read through the
+    ``fp32_precision`` API, which reflects the legacy ``allow_tf32`` switches too: reading
+    those after the new API was used raises."""
+    b = torch.backends
+    try:
+        return (b.fp32_precision, b.cuda.matmul.fp32_precision, b.cudnn.fp32_precision,
+                b.cudnn.conv.fp32_precision)
+    except AttributeError:   # pragma: no cover - a torch without the fp32_precision API
+        return (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32)

@@ -36,6 +36,12 @@ __all__ = ["write_cats_in_place", "LAYOUT_FREE_READERS"]
 SDPA = aten.scaled_dot_product_attention.default
 SPLITS = (aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default)
 LAYOUT_FREE_READERS = (SDPA,)
+# the attention backends (``torch._fused_sdp_choice``) whose kernel reads K and V through their
+# strides: flash and memory-efficient attention on the device (math runs matmuls, whose GEMM
+# sees another leading dimension; cuDNN builds its plan from the strides). On the CPU (fusion
+# switched on there for tests) the traced choice is the math one whatever the real kernel is;
+# the tests compare bits.
+READS_THROUGH_STRIDES = {"cuda": (1, 2), "cpu": (0, 1)}
 _ALIGN_BYTES = 16
 
 
@@ -66,10 +72,12 @@ def _sdpa_same(reader: Node, swaps: Dict[Node, torch.Tensor]) -> bool:
     before = [val(a) for a in qkv]
     after = [swaps.get(a, val(a)) for a in qkv]
     try:
-        same = torch._fused_sdp_choice(*before, **kw) == torch._fused_sdp_choice(*after, **kw)
+        chosen = torch._fused_sdp_choice(*before, **kw)
+        same = chosen == torch._fused_sdp_choice(*after, **kw)
     except (RuntimeError, TypeError):
         return False
-    return same and all(_aligned(t) for t in after)
+    device = before[0].device.type
+    return same and chosen in READS_THROUGH_STRIDES.get(device, ()) and all(_aligned(t) for t in after)
 
 
 def _same_storage(node: Node, key) -> bool:
@@ -87,18 +95,19 @@ def _merge_splits(leaves: List[tuple]) -> List[tuple]:
     """Parts that are all the pieces of one ``chunk``/``split`` of a tensor, landing side by side
     in its order along the split dim (and in the same place along every other), become one copy
     of that tensor: the K and V halves of a cache are one copy of the cache."""
-    pieces: Dict[Node, Dict[int, tuple]] = {}
+    pieces: Dict[Node, List[tuple]] = {}
     for part, box in leaves:
         if part.target is operator.getitem and part.args[0].target in SPLITS:
-            pieces.setdefault(part.args[0], {})[part.args[1]] = box
+            pieces.setdefault(part.args[0], []).append((part.args[1], box))
     merged: Dict[Node, tuple] = {}
     for split, found in pieces.items():
         source = split.args[0]
         dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % val(source).dim()
         outs = split.meta.get("val")
-        if not isinstance(outs, (list, tuple)) or sorted(found) != list(range(len(outs))):
+        # every piece exactly once (a piece placed twice is two copies, left as they are)
+        if not isinstance(outs, (list, tuple)) or sorted(i for i, _ in found) != list(range(len(outs))):
             continue
-        boxes = [found[i] for i in range(len(outs))]
+        boxes = [box for _, box in sorted(found, key=lambda f: f[0])]
         side_by_side = all(
             all(b[k] == boxes[0][k] for k in range(len(b)) if k != dim) for b in boxes) and all(
             boxes[i][dim][1] == boxes[i + 1][dim][0] for i in range(len(boxes) - 1))
@@ -128,20 +137,30 @@ class _Tree:
         self.dst, self.top = write.args[0], write.args[1]
         self.cats: List[Node] = []      # every cat placed, outermost first
         self.parts: List[Node] = []     # what is copied into the buffer
+        self.seen: set = set()
 
     def collect(self, cat: Node, readers_ok) -> bool:
+        """Place ``cat`` and, inside it, every part that is a cat read only by its parent and
+        layout-free readers. False when the tree is not one this pass rewrites: a node met twice
+        (each place is written once, from one node), a part of another dtype or rank (a legacy
+        empty 1-D part), a part without a traced value."""
+        if cat in self.seen:
+            return False
+        self.seen.add(cat)
         self.cats.append(cat)
+        rank, dtype = val(cat).dim(), val(cat).dtype
         for part in cat.args[0]:
-            inner = (isinstance(part, Node) and part.op == "call_function" and part.target in CATS
-                     and val(part) is not None and val(part).dtype == val(cat).dtype
-                     and all(u in self.cats or u is cat or readers_ok(u) for u in part.users))
+            if not isinstance(part, Node) or val(part) is None or part in self.seen \
+                    or val(part).dim() != rank or val(part).dtype != dtype:
+                return False
+            inner = (part.op == "call_function" and part.target in CATS
+                     and all(u is cat or readers_ok(u) for u in part.users))
             if inner:
                 if not self.collect(part, readers_ok):
                     return False
-            elif isinstance(part, Node) and val(part) is not None and val(part).dtype == val(cat).dtype:
-                self.parts.append(part)
             else:
-                return False
+                self.seen.add(part)
+                self.parts.append(part)
         return True
 
 
@@ -178,6 +197,9 @@ def _rewrite(gm: GraphModule, write: Node, device: str) -> int:
 
     if not tree.collect(top, reader_ok):
         return 0
+    # the readers moved onto the buffer: those of the cats placed (not of one tried and left)
+    readers = list({u: None for c in tree.cats[1:] for u in c.users
+                    if u not in tree.cats and u is not write})
     order = tree.order
     first, at = min(order[c] for c in tree.cats), order[top]
     if any(not at < order[r] < order[write] for r in readers):
@@ -201,9 +223,13 @@ def _rewrite(gm: GraphModule, write: Node, device: str) -> int:
     if buffer in parts:
         return 0
     # nothing between the first cat and the copy reads or writes the buffer, nor writes a part
-    placed, moved = set(tree.cats), set(readers) | set(chain) | {write}
+    placed, moved = set(tree.cats), set(chain) | {write}
     for n in list(gm.graph.nodes)[first:order[write]]:
         if n in placed or n in moved:
+            continue
+        if n in readers:     # its operands other than the cats it reads must not be the buffer
+            if any(_same_storage(a, buffer) for a in n.all_input_nodes if a not in placed):
+                return 0
             continue
         if is_mutating(n):
             target = mutated_arg(n)

@@ -46,7 +46,7 @@ def bias_added_after(node: Node) -> bool:
     kw = _conv_args(node)
     if kw is None or not isinstance(kw.get("bias"), Node):
         return False
-    spatial = val(kw["input"]).dim() - 2
+    spatial = val(kw["weight"]).dim() - 2
     common = {"transposed": kw.get("transposed", False), "groups": kw.get("groups", 1)}
     for k, default in (("stride", 1), ("padding", 0), ("dilation", 1), ("output_padding", 0)):
         v = kw.get(k, default)
@@ -80,6 +80,7 @@ def split_conv_bias(gm: GraphModule, device: str) -> int:
         with gm.graph.inserting_before(node):
             bare = gm.graph.call_function(node.target, (), {**kw, "bias": None})
             bare.meta = dict(node.meta)
+            bare.meta["val"] = out.clone()   # a value of its own: the add does not alias it
             view = gm.graph.call_function(aten.view.default, (bias, shape))
             view.meta["val"] = val(bias).view(shape)
             add = gm.graph.call_function(aten.add.Tensor, (bare, view))

@@ -127,6 +127,90 @@ def test_the_buffer_written_in_between_or_aliased_by_a_part_is_left_alone(case):
     assert _same_results(gm, run, args)
 
 
+class _Dup(nn.Module):
+    """One piece of a chunk placed twice: each place must be written."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(2, 4, 6, 24))
+
+    def forward(self, cache):
+        k_cache, v_cache = cache.chunk(2, dim=3)
+        self.buf[:, :, :6, :].copy_(torch.cat([v_cache, k_cache, v_cache], 3))
+        return self.buf.clone()
+
+
+class _InnerTwice(nn.Module):
+    """An inner cat used twice by the outer one, or as a part of one cat and inside another."""
+
+    def __init__(self, nested):
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(2, 4, 12, 24 if nested else 16))
+        self.nested = nested
+
+    def forward(self, a, b):
+        k = torch.cat([a, b], 2)
+        whole = torch.cat([k, torch.cat([k, k], 3)], 3) if self.nested else torch.cat([k, k], 3)
+        self.buf[:, :, :12, :].copy_(whole)
+        return self.buf.clone()
+
+
+class _QueryFromBuffer(nn.Module):
+    """Attention's query read from the region the copy writes, made before the cats."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("buf", torch.randn(2, 4, 40, 16))
+
+    def forward(self, k_new, k_cache, v_new, v_cache):
+        q = self.buf[:, :, :5, :8]
+        k, v = torch.cat([k_new, k_cache], 2), torch.cat([v_new, v_cache], 2)
+        kv = torch.cat([k, v], 3)
+        o = F.scaled_dot_product_attention(q, k, v)
+        self.buf[:, :, :kv.shape[2], :] = kv
+        return o
+
+
+class _LegacyEmpty(nn.Module):
+    """A legacy empty 1-D part, which ``cat`` skips."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(2, 4, 20, 8))
+
+    def forward(self, a, e):
+        self.buf[:, :, :5, :] = torch.cat([a, e], 2)
+        return self.buf.clone()
+
+
+_r = torch.randn
+TREES_LEFT_ALONE = {
+    "piece-twice": (_Dup, (_r(2, 4, 6, 16),)),
+    "inner-twice": (lambda: _InnerTwice(False), (_r(2, 4, 5, 8), _r(2, 4, 7, 8))),
+    "part-and-inner": (lambda: _InnerTwice(True), (_r(2, 4, 5, 8), _r(2, 4, 7, 8))),
+    "query-reads-the-buffer": (_QueryFromBuffer, (_r(2, 4, 5, 8), _r(2, 4, 12, 8), _r(2, 4, 5, 8),
+                                                  _r(2, 4, 12, 8))),
+    "legacy-empty-part": (_LegacyEmpty, (_r(2, 4, 5, 8), torch.empty(0))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TREES_LEFT_ALONE))
+def test_trees_the_pass_cannot_place_exactly_are_left_alone(case):
+    make, inputs = TREES_LEFT_ALONE[case]
+    module = make()
+    buffers = dict(module.named_buffers())
+
+    def run(b, *xs):
+        return functional_call(module, b, xs)
+
+    gm = make_fx(run, tracing_mode="fake", pre_dispatch=True)(buffers, *inputs)
+    before = gm.code
+    assert write_cats_in_place(gm, "cpu") == 0 and gm.code == before
+    b_ref, b_ours = ({k: v.clone() for k, v in buffers.items()} for _ in range(2))
+    assert torch.equal(run(b_ref, *inputs), gm(b_ours, *inputs))
+    assert torch.equal(b_ref["buf"], b_ours["buf"])
+
+
 def test_a_step_on_another_device_is_left_alone():
     gm, _, _ = _traced(Attention())
     assert write_cats_in_place(gm, "cuda") == 0

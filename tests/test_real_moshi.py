@@ -205,3 +205,22 @@ def test_a_donated_state_is_the_carry_and_the_only_copy_of_the_state():
         assert compiled.carries[name].tensor.data_ptr() == ptr == state[name].data_ptr()
     holder = mimi.encoder_transformer.transformer.layers[0].self_attn._streaming_state
     assert holder.kv_cache.cache.data_ptr() == given["mimi_encoder_kv"]
+
+
+def test_a_donated_state_never_writes_the_fresh_state_the_step_keeps():
+    """The fresh values ``reset_state`` and ``initial_state`` restore (the delayed-token ring's
+    -2s) are the step's own copies, never the tensors of a state handed out: a donating step
+    takes those over as carries and writes them."""
+    mimi, lm_gen = M.build_mimi(seed=0), M.build_lm_gen(seed=1, overrides=M.SMALL_LM,
+                                                          dtype=torch.float32)
+    step = M.MoshiStep(mimi, lm_gen)
+    compiled = cadence_fx.compile(step, M.moshi_adapter(M.SMALL_LM), donate_state=True)
+    state = step.initial_state()
+    fresh = state["lm_token_ring"].clone()
+    assert fresh.lt(0).all()
+    for frame in _frames(4):
+        with torch.no_grad():
+            _, _, state = compiled(frame, state)
+    assert compiled.counters.adoptions >= 2 and not torch.equal(state["lm_token_ring"], fresh)
+    assert torch.equal(step.reset_state(state)["lm_token_ring"], fresh)
+    assert torch.equal(step.initial_state()["lm_token_ring"], fresh)

@@ -356,3 +356,32 @@ def test_a_session_pool_refuses_a_step_that_takes_its_states_over():
     compiled = cadence_fx.compile(make_model(), CONFORMER_ADAPTER, donate_state=True)
     with pytest.raises(ContractError, match="donate_state"):
         SessionPool(compiled)
+
+
+def test_preparing_a_donating_step_copies_the_example_and_never_takes_it_over():
+    """``prepare`` compiles from an example, which is not the stream's state: with
+    ``donate_state=True`` it is still copied into the carries and left as it was."""
+    m = RingToy()
+    compiled = cadence_fx.compile(m, RING_ADAPTER, donate_state=True)
+    example = torch.zeros(2, 1, 2, 16, 16)
+    with torch.no_grad():
+        assert compiled.prepare(torch.randn(1, 1, 32), example, torch.tensor([0]))
+    assert compiled.carries["kv"].tensor.data_ptr() != example.data_ptr()
+    with torch.no_grad():
+        compiled(torch.randn(1, 1, 32), torch.zeros(2, 1, 2, 16, 16), torch.tensor([0]))
+    assert not example.any()
+
+
+def test_the_signature_reads_tf32_through_the_api_torch_now_has(monkeypatch):
+    """After the new ``fp32_precision`` API was used, reading the legacy ``allow_tf32`` raises;
+    every call reads the signature, so it reads the new one, and a change makes a new class."""
+    from cadence_fx.signature import global_signature
+    matmul = torch.backends.cuda.matmul
+    before = global_signature()
+    monkeypatch.setattr(matmul, "fp32_precision", "tf32")
+    assert global_signature() != before
+    m = RingToy()
+    compiled = cadence_fx.compile(m, RING_ADAPTER)
+    with torch.no_grad():
+        compiled(torch.randn(1, 1, 32), torch.zeros(2, 1, 2, 16, 16), torch.tensor([0]))
+    assert compiled.counters.compiled_calls == 1

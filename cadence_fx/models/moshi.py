@@ -236,20 +236,27 @@ class _ExplicitState(nn.Module):
             if sorted(s.index for s in slots) != list(range(layers)):
                 raise RuntimeError(f"{key}: ring caches of layers {sorted(s.index for s in slots)}")
             out = torch.empty((layers, *like.shape), dtype=like.dtype, device=like.device)
-            del like
             with torch.no_grad():
                 for s in slots:
+                    layer = getattr(s.holder, s.attr)
+                    if (layer.shape, layer.dtype, layer.device) != (like.shape, like.dtype, like.device):
+                        raise RuntimeError(f"{key}: the ring cache of layer {s.index} is "
+                                           f"{tuple(layer.shape)} {layer.dtype}, layer 0's "
+                                           f"{tuple(like.shape)} {like.dtype}: they cannot stack")
+                    del layer
                     out[s.index].copy_(getattr(s.holder, s.attr))
                     setattr(s.holder, s.attr, out[s.index])
+            del like
             state[key] = out
         return state
 
     def _keep_initial(self, state: Dict[str, torch.Tensor]) -> None:
         """Remember the fresh state: all-zero tensors (the KV rings, 1.6 GB for the 7B LM) as
-        their shape only, so the step holds no second copy of the state."""
-        self._initial = {k: (_Zeros(v.shape, v.dtype, v.device)
-                             if isinstance(v, torch.Tensor) and not v.any() else v)
-                         for k, v in state.items()}
+        their shape only, so the step holds no second copy of the state; the others (a few
+        bytes each) as copies, never the tensors of the state handed out, which are written
+        (in place by the stock step, or as carries a donating compiled step took over)."""
+        self._initial = {k: (_Zeros(v.shape, v.dtype, v.device) if not v.any() else v.clone())
+                         if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
     def initial_state(self) -> Dict[str, torch.Tensor]:
         """A fresh state (what entering streaming makes), to start a stream or a turn."""
