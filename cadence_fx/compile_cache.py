@@ -25,7 +25,8 @@ Layout::
 The step key hashes everything that can change a trace but the signature: the step's source and
 every module class's, the files they are defined in (so the helpers beside them count) and the
 installed versions of their packages, the adapter (all fields), parameter and buffer names, shapes and dtypes (not
-their values: new weights reuse the cache), the pass options, torch's and cadence_fx's versions.
+their values: new weights reuse the cache), the pass options, torch's and cadence_fx's versions,
+and the GPU (name, capability) and cuDNN build the weights live on: the passes choose by them.
 The class key hashes the signature class (shapes, strides, dtypes, devices, argument structure,
 grad and inference modes). The header repeats both keys in full and the payload's SHA-256: an
 entry whose keys differ (a foreign file), whose digest does not match (a truncated or corrupt
@@ -100,6 +101,16 @@ def _packages(objs) -> Dict[str, str]:
     return dict(sorted(out.items()))
 
 
+def _devices(cs) -> list:
+    devices = sorted({t.device for t in list(cs._params.values()) + list(cs._buffers.values())
+                      if t.device.type == "cuda"}, key=str)
+    if not devices:
+        return []
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return [(str(d), torch.cuda.get_device_name(d), torch.cuda.get_device_capability(d), cudnn)
+            for d in devices]
+
+
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -120,6 +131,9 @@ class CompileCache:
             "files": _files([fn, *module_types]), "packages": _packages([fn, *module_types]),
             "adapter": repr(cs.adapter), "options": repr(cs.options),
             "tracing_mode": cs.tracing_mode,
+            # what the passes decided for this machine (which convolution backend, which
+            # attention kernel): the devices the weights are on, their name and the cuDNN build
+            "devices": _devices(cs),
             "tensors": [(n, tuple(t.shape), str(t.dtype), t.device.type)
                         for n, t in list(cs._params.items()) + list(cs._buffers.items())],
         }
