@@ -187,15 +187,7 @@ def _rewrite(gm: GraphModule, write: Node, device: str) -> int:
             or tuple(d.shape) != tuple(t.shape) or d.device != t.device):
         return 0
     tree = _Tree(gm, write)
-    readers: List[Node] = []
-
-    def reader_ok(u: Node) -> bool:
-        if u.op == "call_function" and u.target in LAYOUT_FREE_READERS:
-            readers.append(u)
-            return True
-        return False
-
-    if not tree.collect(top, reader_ok):
+    if not tree.collect(top, lambda u: u.op == "call_function" and u.target in LAYOUT_FREE_READERS):
         return 0
     # the readers moved onto the buffer: those of the cats placed (not of one tried and left)
     readers = list({u: None for c in tree.cats[1:] for u in c.users
