@@ -188,13 +188,17 @@ def measure(stream, step, ref, ref_times, *, warm=True, prof=True, blocks=BLOCKS
     return ref, row
 
 
-def top_kernels(steady, first, n, top=25):
-    """The ``top`` kernel names by time per chunk: ``steady`` (``1 + n`` chunks) minus ``first``
-    (the turn start), each ``[name, ms per chunk, kernels per chunk]``."""
-    rows = []
+def _per_chunk(steady, first, n):
+    """``(name, ms, kernels)`` per chunk of each kernel name: ``steady`` (``1 + n`` chunks) minus
+    ``first`` (the turn start), over ``n``."""
     for name, (ms, count) in steady.items():
         ms0, count0 = first.get(name, (0.0, 0))
-        rows.append([name[:160], round((ms - ms0) / n, 4), (count - count0) / n])
+        yield name, (ms - ms0) / n, (count - count0) / n
+
+
+def top_kernels(steady, first, n, top=25):
+    """The ``top`` kernel names by time per chunk, each ``[name, ms, kernels]``."""
+    rows = [[name[:160], round(ms, 4), count] for name, ms, count in _per_chunk(steady, first, n)]
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
@@ -210,11 +214,10 @@ def kernel_kinds(steady, first, n):
     """Time (ms) and kernels per chunk by kind of kernel (``KINDS``, by name; ``other`` for the
     rest), steady minus turn start as ``top_kernels``."""
     kinds = {}
-    for name, (ms, count) in steady.items():
-        ms0, count0 = first.get(name, (0.0, 0))
+    for name, ms, count in _per_chunk(steady, first, n):
         kind = next((k for k, keys in KINDS if any(key in name for key in keys)), "other")
         t, c = kinds.get(kind, (0.0, 0.0))
-        kinds[kind] = (t + (ms - ms0) / n, c + (count - count0) / n)
+        kinds[kind] = (t + ms, c + count)
     return {k: [round(t, 4), c] for k, (t, c) in sorted(kinds.items(), key=lambda kv: -kv[1][0])}
 
 

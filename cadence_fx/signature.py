@@ -22,21 +22,21 @@ def global_signature() -> tuple:
             autocast.append((dev, on, torch.get_autocast_dtype(dev) if on else None))
         except (TypeError, RuntimeError):  # pragma: no cover - device type unknown to this build
             pass
-    cudnn, cuda = torch.backends.cudnn, torch.backends.cuda
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), tuple(autocast),
-            torch.are_deterministic_algorithms_enabled(),
-            (cudnn.enabled, cudnn.deterministic, cudnn.benchmark, _precisions()),
-            (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
-             cuda.cudnn_sdp_enabled()))
+            torch.are_deterministic_algorithms_enabled(), _kernel_switches())
 
 
-def _precisions() -> tuple:
-    """The fp32 precision of matmuls and convolutions (TF32 or not). Read through the
-    ``fp32_precision`` API, which reflects the legacy ``allow_tf32`` switches too: reading
-    those after the new API was used raises."""
-    b = torch.backends
-    try:
-        return (b.fp32_precision, b.cuda.matmul.fp32_precision, b.cudnn.fp32_precision,
-                b.cudnn.conv.fp32_precision)
-    except AttributeError:   # pragma: no cover - a torch without the fp32_precision API
-        return (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32)
+_C = torch._C
+# (backend, op) of every fp32-precision switch (TF32 or not): the generic one, matmuls, cuDNN,
+# convolutions. The ``fp32_precision`` API reflects the legacy ``allow_tf32`` switches too;
+# reading those after the new API was used raises.
+_PRECISIONS = (("generic", "all"), ("cuda", "matmul"), ("cuda", "all"), ("cuda", "conv"))
+
+
+def _kernel_switches() -> tuple:
+    """The cuDNN, fp32-precision and attention-backend switches, read from torch's own getters
+    (``torch.backends``' properties cost ten times as much, on every call)."""
+    return (_C._get_cudnn_enabled(), _C._get_cudnn_deterministic(), _C._get_cudnn_benchmark(),
+            tuple(_C._get_fp32_precision_getter(b, op) for b, op in _PRECISIONS),
+            _C._get_flash_sdp_enabled(), _C._get_mem_efficient_sdp_enabled(),
+            _C._get_math_sdp_enabled(), _C._get_cudnn_sdp_enabled())

@@ -129,12 +129,9 @@ def _merge_splits(leaves: List[tuple]) -> List[tuple]:
 
 
 class _Tree:
-    """The cats to place, outermost first, with the buffer view each one lands in."""
+    """The cats to place, outermost first, and the parts copied into the buffer."""
 
-    def __init__(self, gm: GraphModule, write: Node):
-        self.gm, self.write = gm, write
-        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        self.dst, self.top = write.args[0], write.args[1]
+    def __init__(self):
         self.cats: List[Node] = []      # every cat placed, outermost first
         self.parts: List[Node] = []     # what is copied into the buffer
         self.seen: set = set()
@@ -186,25 +183,25 @@ def _rewrite(gm: GraphModule, write: Node, device: str) -> int:
     if (d is None or t is None or d.device.type != device or d.dtype != t.dtype
             or tuple(d.shape) != tuple(t.shape) or d.device != t.device):
         return 0
-    tree = _Tree(gm, write)
+    tree = _Tree()
     if not tree.collect(top, lambda u: u.op == "call_function" and u.target in LAYOUT_FREE_READERS):
         return 0
     # the readers moved onto the buffer: those of the cats placed (not of one tried and left)
     readers = list({u: None for c in tree.cats[1:] for u in c.users
                     if u not in tree.cats and u is not write})
-    order = tree.order
-    first, at = min(order[c] for c in tree.cats), order[top]
-    if any(not at < order[r] < order[write] for r in readers):
+    # graph order: nodes compare by their place in the graph
+    first = min(tree.cats)
+    if any(not top < r < write for r in readers):
         return 0     # a reader before the writes, or after the copy (the buffer may change)
     # the buffer's view is remade where the writes go: from nodes that exist there
     chain, node = [], dst
-    while isinstance(node, Node) and node.op == "call_function" and order[node] > at:
+    while isinstance(node, Node) and node.op == "call_function" and node > top:
         if node.target not in (aten.slice.Tensor, aten.select.int, aten.narrow.default,
                                aten.view.default, aten.alias.default):
             return 0
         chain.append(node)
         node = node.args[0]
-    if any(isinstance(a, Node) and order[a] > at for c in chain for a in c.all_input_nodes
+    if any(isinstance(a, Node) and a > top for c in chain for a in c.all_input_nodes
            if a not in chain):
         return 0
     buffer = storage_key(dst)
@@ -216,7 +213,8 @@ def _rewrite(gm: GraphModule, write: Node, device: str) -> int:
         return 0
     # nothing between the first cat and the copy reads or writes the buffer, nor writes a part
     placed, moved = set(tree.cats), set(chain) | {write}
-    for n in list(gm.graph.nodes)[first:order[write]]:
+    n = first.prev
+    while (n := n.next) is not write:
         if n in placed or n in moved:
             continue
         if n in readers:     # its operands other than the cats it reads must not be the buffer

@@ -41,6 +41,19 @@ def _run(fn, fresh, frames, reset_at, seed=5):
     return outs, addresses
 
 
+def _reset_in_place(step, compiled, state, frames, reset_at):
+    """Mimi frames through ``compiled`` from ``state``, the turn started in place at
+    ``reset_at`` (``step.reset_state``); returns the (codes, pcm) per frame and the last state."""
+    outs = []
+    for i, frame in enumerate(frames):
+        if i == reset_at:
+            state = step.reset_state(state)
+        with torch.no_grad():
+            codes, pcm, state = compiled(frame, state)
+        outs.append((codes.clone(), pcm.clone()))
+    return outs, state
+
+
 def test_mimi_stream_bit_exact_against_the_stock_loop():
     mimi = M.build_mimi(seed=0)
     frames = _frames(6)
@@ -71,13 +84,7 @@ def test_a_turn_reset_in_place_copies_nothing_and_the_step_keeps_no_second_state
     state = step.initial_state()
     holder = mimi.encoder_transformer.transformer.layers[0].self_attn._streaming_state
     assert holder.kv_cache.cache.data_ptr() == state["mimi_encoder_kv"].data_ptr()
-    outs = []
-    for i, frame in enumerate(frames):
-        if i == 2:
-            state = step.reset_state(state)
-        with torch.no_grad():
-            codes, pcm, state = compiled(frame, state)
-        outs.append((codes.clone(), pcm.clone()))
+    outs, state = _reset_in_place(step, compiled, state, frames, reset_at=2)
     assert [_same(s[0], o[0]) and _same(s[1], o[1]) for s, o in zip(stock, outs)] == [True] * 4
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks, k.absorptions) == (4, 0, 3)   # the first call only
@@ -191,13 +198,7 @@ def test_a_donated_state_is_the_carry_and_the_only_copy_of_the_state():
     compiled = cadence_fx.compile(step, "moshi-mimi", donate_state=True)
     state = step.initial_state()
     given = {k: state[k].data_ptr() for k in ("mimi_encoder_kv", "mimi_decoder_kv")}
-    outs = []
-    for i, frame in enumerate(frames):
-        if i == 3:
-            state = step.reset_state(state)
-        with torch.no_grad():
-            codes, pcm, state = compiled(frame, state)
-        outs.append((codes.clone(), pcm.clone()))
+    outs, state = _reset_in_place(step, compiled, state, frames, reset_at=3)
     assert [_same(s[0], o[0]) and _same(s[1], o[1]) for s, o in zip(stock, outs)] == [True] * 5
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks, k.adoptions, k.absorptions) == (5, 0, 2, 1)

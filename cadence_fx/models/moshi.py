@@ -27,16 +27,17 @@ not installed, empty stand-in modules are registered so the model code imports.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import importlib.machinery
 import importlib.util
 import sys
 import types
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
+
+from cadence_fx.models.explicit_state import ExplicitState
 
 __all__ = ["import_stock", "build_mimi", "build_lm_gen", "MimiStep", "MoshiStep", "SMALL_LM",
            "moshi_adapter", "stock_stream", "randomize"]
@@ -139,173 +140,6 @@ def moshi_adapter(overrides=None):
                                lm_head_dim=overrides["dim"] // overrides["num_heads"])
 
 
-# -- explicit streaming state --------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class _Slot:
-    key: str            # state dict key
-    holder: object      # the stock dataclass (or RingKVCache) holding the tensor
-    attr: str
-    index: Optional[int] = None  # layer index into a stacked region
-
-
-def _slots(roots: Dict[str, nn.Module], stacks: Dict[str, str]) -> Iterator[_Slot]:
-    """Every tensor of the stock streaming state under ``roots``. ``stacks`` maps a layer-list
-    prefix (``"encoder_transformer.transformer.layers"``) to the region whose slices its ring
-    caches are."""
-    for root_name, root in roots.items():
-        found: List[Tuple[str, nn.Module]] = []
-        root._apply_named_streaming(lambda name, m: found.append((name, m)))
-        for name, module in found:
-            path = f"{root_name}.{name}" if name else root_name
-            state = module._streaming_state
-            if state is None:
-                raise RuntimeError(f"{path} is not streaming; the step enters streaming itself")
-            for f in dataclasses.fields(state):
-                value = getattr(state, f.name)
-                if isinstance(value, torch.Tensor):
-                    yield _Slot(f"{path}:{f.name}", state, f.name)
-                elif type(value).__name__ == "RingKVCache":
-                    prefix = next((p for p in stacks if path.startswith(p + ".")), None)
-                    if prefix is not None:   # "<prefix>.<layer>.self_attn"
-                        layer = int(path[len(prefix) + 1:].split(".")[0])
-                        yield _Slot(stacks[prefix], value, "cache", layer)
-                    else:
-                        yield _Slot(f"{path}:kv_cache.cache", value, "cache")
-                    yield _Slot(f"{path}:kv_cache.end_offset", value, "end_offset")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Zeros:
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-
-    def make(self) -> torch.Tensor:
-        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-
-
-class _ExplicitState(nn.Module):
-    """Shared by the thin steps: enter streaming once, bind a state dict per call, read it back."""
-
-    def _setup(self, enter: List[nn.Module], stacks: Dict[str, str], renames: Dict[str, str],
-               batch: int) -> None:
-        """Enter streaming on ``enter`` once; remember the fresh state as the initial one."""
-        self._stacks, self._renames = stacks, renames
-        # the stock context of each module: closing it leaves streaming as the stock loop does
-        self._streaming = [module.streaming(batch) for module in enter]
-        fresh = self._read_fresh()
-        self._keep_initial(fresh)
-        # the modules' own streaming caches are let go (bound to the stacked copy instead), and
-        # that copy is the first initial_state(): the state exists once, as in the stock loop
-        self._bind(fresh)
-        self._first: Optional[Dict[str, torch.Tensor]] = fresh
-
-    def close(self) -> None:
-        """Leave streaming on the modules this step entered, as the stock ``streaming()``
-        context does on exit: the modules hold nothing of the step's state afterwards and can
-        stream again on their own (the step itself cannot run after this)."""
-        while self._streaming:
-            self._streaming.pop().close()
-
-    def _roots(self) -> Dict[str, nn.Module]:
-        """Path prefix -> module whose streaming state the step binds."""
-        raise NotImplementedError
-
-    def _all_slots(self) -> List[_Slot]:
-        slots = []
-        for s in _slots(self._roots(), self._stacks):
-            slots.append(dataclasses.replace(s, key=self._renames.get(s.key, s.key)))
-        return slots
-
-    def _read_fresh(self) -> Dict[str, torch.Tensor]:
-        """The modules' fresh streaming state as the step's dict; each per-layer ring is copied
-        into its stacked tensor and rebound to that slice one layer at a time, so the layer's own
-        cache is let go before the next is copied: the state never exists twice (stacking the
-        7B LM's rings at once would hold 1.6 GB twice)."""
-        state: Dict[str, torch.Tensor] = {}
-        stacked: Dict[str, List[_Slot]] = {}
-        for s in self._all_slots():
-            if s.index is None:
-                state[s.key] = getattr(s.holder, s.attr).clone()
-            else:
-                stacked.setdefault(s.key, []).append(s)
-        for key, slots in stacked.items():
-            like = getattr(slots[0].holder, slots[0].attr)
-            layers = max(s.index for s in slots) + 1
-            if sorted(s.index for s in slots) != list(range(layers)):
-                raise RuntimeError(f"{key}: ring caches of layers {sorted(s.index for s in slots)}")
-            out = torch.empty((layers, *like.shape), dtype=like.dtype, device=like.device)
-            with torch.no_grad():
-                for s in slots:
-                    layer = getattr(s.holder, s.attr)
-                    if (layer.shape, layer.dtype, layer.device) != (like.shape, like.dtype, like.device):
-                        raise RuntimeError(f"{key}: the ring cache of layer {s.index} is "
-                                           f"{tuple(layer.shape)} {layer.dtype}, layer 0's "
-                                           f"{tuple(like.shape)} {like.dtype}: they cannot stack")
-                    del layer
-                    out[s.index].copy_(getattr(s.holder, s.attr))
-                    setattr(s.holder, s.attr, out[s.index])
-            del like
-            state[key] = out
-        return state
-
-    def _keep_initial(self, state: Dict[str, torch.Tensor]) -> None:
-        """Remember the fresh state: all-zero tensors (the KV rings, 1.6 GB for the 7B LM) as
-        their shape only, so the step holds no second copy of the state; the others (a few
-        bytes each) as copies, never the tensors of the state handed out, which are written
-        (in place by the stock step, or as carries a donating compiled step took over)."""
-        self._initial = {k: (_Zeros(v.shape, v.dtype, v.device) if not v.any() else v.clone())
-                         if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-
-    def initial_state(self) -> Dict[str, torch.Tensor]:
-        """A fresh state (what entering streaming makes), to start a stream or a turn."""
-        if self._first is not None:
-            first, self._first = self._first, None
-            return first
-        return {k: (v.clone() if isinstance(v, torch.Tensor) else v.make() if isinstance(v, _Zeros)
-                    else v) for k, v in self._initial.items()}
-
-    def reset_state(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """Start a new turn in ``state`` itself, as the stock ``reset_streaming`` does: every
-        tensor refilled in place with its fresh value (nothing allocated; on a compiled step the
-        state the last call returned stays the carry's view), plain values reset. Returns it."""
-        with torch.no_grad():
-            for k, v in self._initial.items():
-                t = state.get(k)
-                if isinstance(v, _Zeros) and isinstance(t, torch.Tensor):
-                    t.zero_()
-                elif isinstance(v, torch.Tensor) and isinstance(t, torch.Tensor):
-                    t.copy_(v)
-                else:
-                    state[k] = v.make() if isinstance(v, _Zeros) else \
-                        v.clone() if isinstance(v, torch.Tensor) else v
-        return state
-
-    def _bind(self, state: Dict[str, torch.Tensor]) -> List[Tuple[_Slot, torch.Tensor]]:
-        slots = self._all_slots()
-        missing = {s.key for s in slots} - set(state)
-        if missing:
-            raise KeyError(f"state is missing {sorted(missing)[:4]}; start from initial_state()")
-        bound = []
-        for s in slots:
-            value = state[s.key] if s.index is None else state[s.key][s.index]
-            setattr(s.holder, s.attr, value)
-            bound.append((s, value))
-        return bound
-
-    def _read_back(self, state, bound: List[Tuple[_Slot, torch.Tensor]]) -> Dict[str, torch.Tensor]:
-        out = dict(state)
-        for s, value in bound:
-            now = getattr(s.holder, s.attr)
-            if s.index is None:
-                out[s.key] = now  # fields the stock code reassigns (LMGen's ``offsets``)
-            elif now is not value:
-                raise RuntimeError(f"the stock code replaced the ring cache bound to "
-                                   f"{s.key}[{s.index}]; it must be written in place")
-        return out
-
-
 @contextlib.contextmanager
 def _plain_eager():
     """The stock code as plain eager PyTorch: the vendor's ``CUDAGraphed`` wrappers and its lazy
@@ -320,7 +154,7 @@ _MIMI_STACKS = {"mimi.encoder_transformer.transformer.layers": "mimi_encoder_kv"
 _MIMI_RENAMES = {"mimi.encoder.model.0:previous": "mimi_conv_in"}
 
 
-class MimiStep(_ExplicitState):
+class MimiStep(ExplicitState):
     """One 1920-sample frame through Mimi: ``MimiModel.encode`` then ``decode`` of its codes.
 
     ``forward(pcm, state) -> (codes, pcm_out, state)``, run as plain eager stock code (the vendor's
@@ -342,7 +176,7 @@ class MimiStep(_ExplicitState):
         return codes, out, self._read_back(state, slots)
 
 
-class MoshiStep(_ExplicitState):
+class MoshiStep(ExplicitState):
     """One full Moshi frame: Mimi encode of the user's 1920 samples, ``LMGen._step`` (main
     transformer, text sampling, depformer over the 8 audio codebooks), Mimi decode of the
     generated audio tokens -- the loop of ``moshi/server.py``.
