@@ -294,6 +294,10 @@ def _parser():
     ap.add_argument("--frames", type=int, default=12)
     ap.add_argument("--small", action="store_true", help="2-layer LM (a quick check)")
     ap.add_argument("--skip-vendor", action="store_true")
+    ap.add_argument("--memory-trace", action="store_true",
+                    help="cadence: record the allocator's history from the step's construction to "
+                         "the end of its warm-up and report the blocks live at the peak (slower; "
+                         "its timings are not comparable)")
     ap.add_argument("--configs", default="E,cadence,V",
                     help="the rows this process runs (always in the order E, cadence, V)")
     ap.add_argument("--ref", help="E's outputs: written by a process that runs E, read by one "
@@ -370,6 +374,10 @@ def main():
 def cadence_row(mimi, lm_gen, args, warm, timed_streams, reset_at, ref, e):
     """``MoshiStep`` compiled by cadence_fx (the shipped default: exact fusion on), measured;
     then closed and freed, so a later row in this process does not count its memory."""
+    trace = None
+    if args.memory_trace and CUDA:
+        from memory_trace import Recorder
+        trace = Recorder().__enter__()
     step = M.MoshiStep(mimi, lm_gen)
     adapter = M.moshi_adapter(M.SMALL_LM if args.small else None)
     # a server gives each stream's state to the step (the stock loop lets its modules write
@@ -380,6 +388,8 @@ def cadence_row(mimi, lm_gen, args, warm, timed_streams, reset_at, ref, e):
     with PhasePeaks() as phases:
         cadence_streams(step, compiled, warm, reset_at)   # traces and captures every class
     compile_s = time.perf_counter() - t1
+    if trace is not None:
+        trace.__exit__(None, None, None)
     compile_peak = process_peak()   # the most allocated so far: model, compile, verify, capture
     before = (compiled.counters.replays, compiled.counters.fallbacks)
     ours, c = timed(lambda t: cadence_streams(step, compiled, timed_streams, reset_at, t))
@@ -395,6 +405,8 @@ def cadence_row(mimi, lm_gen, args, warm, timed_streams, reset_at, ref, e):
              compile_peak_bytes=compile_peak, compile_phases=phases.phases,
              # where the held bytes are: carries, private buffers, the captured graphs' pool
              memory=compiled.report().memory())
+    if trace is not None:   # who held the most, from the step's construction to the end of warm-up
+        c["memory_trace"] = trace.peak()
     c["graph_launches_per_frame"] = c["steady_replays"] / c["frames"]
     # the same six frames as E's floor: its own kernel time and kernels per frame (the kernels a
     # replayed graph launches are traced one by one)

@@ -24,7 +24,7 @@ bits into the buffer and computes the same values everywhere else.
 from __future__ import annotations
 
 import operator
-from typing import Dict, List
+from typing import Dict, List, Optional, Union
 
 import torch
 from torch.fx import GraphModule, Node
@@ -56,28 +56,37 @@ def _aligned(t: torch.Tensor) -> bool:
         (t.storage_offset() * t.element_size()) % _ALIGN_BYTES == 0
 
 
-def _sdpa_same(reader: Node, swaps: Dict[Node, torch.Tensor]) -> bool:
-    """The attention backend is the one it was, and the operands stay aligned, with ``swaps``
-    (node -> its value in the buffer) in place of the cat outputs it reads."""
+def _sdpa_changes(reader: Node, swaps: Dict[Node, torch.Tensor]) -> Optional[str]:
+    """Why attention would not be the same kernel on the same values with ``swaps`` (node -> its
+    value in the buffer) in place of the cat outputs it reads; None when it would: the backend is
+    the one it was, one that reads through strides, and the operands stay aligned."""
     from torch.fx.operator_schemas import normalize_function
     found = normalize_function(reader.target, reader.args, reader.kwargs,
                                normalize_to_only_use_kwargs=True)
-    if found is None or isinstance(found.kwargs.get("attn_mask"), Node):
-        return False     # a mask: left alone
+    if found is None:
+        return "attention's arguments do not normalize"
+    if isinstance(found.kwargs.get("attn_mask"), Node):
+        return "attention with a mask"
     kw = dict(found.kwargs)
     qkv = [kw.pop(k) for k in ("query", "key", "value")]
     if any(not isinstance(a, Node) or val(a) is None for a in qkv) or \
             any(isinstance(v, Node) for v in kw.values()):
-        return False
+        return "attention's operands are not traced values"
     before = [val(a) for a in qkv]
     after = [swaps.get(a, val(a)) for a in qkv]
     try:
-        chosen = torch._fused_sdp_choice(*before, **kw)
-        same = chosen == torch._fused_sdp_choice(*after, **kw)
-    except (RuntimeError, TypeError):
-        return False
+        chosen = int(torch._fused_sdp_choice(*before, **kw))
+        moved = int(torch._fused_sdp_choice(*after, **kw))
+    except (RuntimeError, TypeError) as e:
+        return f"torch._fused_sdp_choice raised {type(e).__name__}"
     device = before[0].device.type
-    return same and chosen in READS_THROUGH_STRIDES.get(device, ()) and all(_aligned(t) for t in after)
+    if chosen != moved:
+        return f"attention backend {chosen} would become {moved}"
+    if chosen not in READS_THROUGH_STRIDES.get(device, ()):
+        return f"attention backend {chosen} on {device} does not read through strides"
+    if not all(_aligned(t) for t in after):
+        return "the buffer's views are not 16-byte aligned"
+    return None
 
 
 def _same_storage(node: Node, key) -> bool:
@@ -161,56 +170,64 @@ class _Tree:
         return True
 
 
-def write_cats_in_place(gm: GraphModule, device: str) -> int:
+def write_cats_in_place(gm: GraphModule, device: str, left: Optional[Dict[str, int]] = None) -> int:
     """Rewrite every ``copy_(buffer, cat(...))`` on ``device`` this way; returns how many cats
-    are no longer computed."""
+    are no longer computed. ``left`` (if given) counts the copies of a cat left as they were,
+    by reason."""
     removed = 0
     for write in [n for n in gm.graph.nodes if n.op == "call_function"
                   and n.target is aten.copy_.default]:
-        removed += _rewrite(gm, write, device)
+        done = _rewrite(gm, write, device)
+        if isinstance(done, str):
+            if left is not None:
+                left[done] = left.get(done, 0) + 1
+        else:
+            removed += done
     if removed:
         gm.graph.lint()
         gm.recompile()
     return removed
 
 
-def _rewrite(gm: GraphModule, write: Node, device: str) -> int:
+def _rewrite(gm: GraphModule, write: Node, device: str) -> Union[int, str]:
+    """The cats removed, 0 for a copy that is not of a cat, or why a cat's copy was left."""
     dst, top = write.args[0], write.args[1] if len(write.args) > 1 else None
     if (write.users or write.kwargs or not isinstance(top, Node) or top.op != "call_function"
             or top.target not in CATS or list(top.users) != [write]):
         return 0
     d, t = val(dst), val(top)
-    if (d is None or t is None or d.device.type != device or d.dtype != t.dtype
-            or tuple(d.shape) != tuple(t.shape) or d.device != t.device):
+    if d is None or t is None or d.device.type != device:
         return 0
+    if d.dtype != t.dtype or tuple(d.shape) != tuple(t.shape) or d.device != t.device:
+        return "buffer and cat differ (device, dtype or shape)"
     tree = _Tree()
     if not tree.collect(top, lambda u: u.op == "call_function" and u.target in LAYOUT_FREE_READERS):
-        return 0
+        return "a node placed twice, or a part of another rank or dtype"
     # the readers moved onto the buffer: those of the cats placed (not of one tried and left)
     readers = list({u: None for c in tree.cats[1:] for u in c.users
                     if u not in tree.cats and u is not write})
     # graph order: nodes compare by their place in the graph
     first = min(tree.cats)
     if any(not top < r < write for r in readers):
-        return 0     # a reader before the writes, or after the copy (the buffer may change)
+        return "a reader before the outermost cat or after the copy"
     # the buffer's view is remade where the writes go: from nodes that exist there
     chain, node = [], dst
     while isinstance(node, Node) and node.op == "call_function" and node > top:
         if node.target not in (aten.slice.Tensor, aten.select.int, aten.narrow.default,
                                aten.view.default, aten.alias.default):
-            return 0
+            return f"the buffer's view is made by {node.target}"
         chain.append(node)
         node = node.args[0]
     if any(isinstance(a, Node) and a > top for c in chain for a in c.all_input_nodes
            if a not in chain):
-        return 0
+        return "the buffer's view needs values made after the outermost cat"
     buffer = storage_key(dst)
     keys = [storage_key(p) for p in tree.parts]
     if buffer is None or any(k is None for k in keys):
-        return 0
+        return "a storage the trace does not know"
     parts = set(keys)
     if buffer in parts:
-        return 0
+        return "a part is a view of the buffer"
     # nothing between the first cat and the copy reads or writes the buffer, nor writes a part
     placed, moved = set(tree.cats), set(chain) | {write}
     n = first.prev
@@ -219,15 +236,15 @@ def _rewrite(gm: GraphModule, write: Node, device: str) -> int:
             continue
         if n in readers:     # its operands other than the cats it reads must not be the buffer
             if any(_same_storage(a, buffer) for a in n.all_input_nodes if a not in placed):
-                return 0
+                return "an attention operand reads the buffer"
             continue
         if is_mutating(n):
             target = mutated_arg(n)
             key = storage_key(target) if target is not None else None
             if key is None or key == buffer or key in parts:
-                return 0
+                return f"{n.target} writes the buffer or a part in between"
         if any(_same_storage(a, buffer) for a in n.all_input_nodes):
-            return 0
+            return f"{n.target} reads the buffer in between"
     # the box (start, stop per dim) of the buffer each cat and part lands in
     boxes: Dict[Node, tuple] = {top: tuple((0, size) for size in d.shape)}
     leaves: List[tuple] = []
@@ -242,8 +259,10 @@ def _rewrite(gm: GraphModule, write: Node, device: str) -> int:
                 boxes[part] = tuple(box)
             else:
                 leaves.append((part, tuple(box)))
-    if not all(_sdpa_same(r, {c: _view(d, boxes[c]) for c in tree.cats}) for r in set(readers)):
-        return 0
+    for r in readers:
+        why = _sdpa_changes(r, {c: _view(d, boxes[c]) for c in tree.cats})
+        if why is not None:
+            return why
     # rewrite: the buffer's view after the outermost cat, then every part copied to its place
     graph = gm.graph
     cursor = top

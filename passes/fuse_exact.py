@@ -209,7 +209,8 @@ def fuse_exact(gm: GraphModule, ctx: PassContext) -> PassResult:
         records["skipped"] = (f"fusion is for device steps ({', '.join(fusion.DEVICES)}); this step "
                               f"runs on {device}")
         return PassResult(gm, False)
-    records["cats_in_place"] = write_cats_in_place(gm, device)
+    records["cats_left"] = {}     # copies of a cat left as they were, by reason
+    records["cats_in_place"] = write_cats_in_place(gm, device, records["cats_left"])
     records["conv_bias_split"] = split_conv_bias(gm, device)
     records["norm_inputs_copied"] = contiguous_norm_inputs(
         gm, device, lambda n: fusible(n, device) and is_kernel(n),

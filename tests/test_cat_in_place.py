@@ -121,8 +121,10 @@ def test_a_cat_read_by_another_op_is_kept_and_copied_whole():
 @pytest.mark.parametrize("case", ["between", "aliased"])
 def test_the_buffer_written_in_between_or_aliased_by_a_part_is_left_alone(case):
     gm, run, args = _traced(Attention(**{case: True}))
-    before = gm.code
-    assert write_cats_in_place(gm, "cpu") == 0
+    before, left = gm.code, {}
+    assert write_cats_in_place(gm, "cpu", left) == 0
+    assert list(left) == [{"between": "aten.select.int reads the buffer in between",
+                           "aliased": "a part is a view of the buffer"}[case]]
     assert gm.code == before and len(_ops(gm, aten.cat.default)) == 3
     assert _same_results(gm, run, args)
 
@@ -184,19 +186,21 @@ class _LegacyEmpty(nn.Module):
 
 
 _r = torch.randn
+_TWICE = "a node placed twice, or a part of another rank or dtype"
 TREES_LEFT_ALONE = {
-    "piece-twice": (_Dup, (_r(2, 4, 6, 16),)),
-    "inner-twice": (lambda: _InnerTwice(False), (_r(2, 4, 5, 8), _r(2, 4, 7, 8))),
-    "part-and-inner": (lambda: _InnerTwice(True), (_r(2, 4, 5, 8), _r(2, 4, 7, 8))),
+    "piece-twice": (_Dup, (_r(2, 4, 6, 16),), _TWICE),
+    "inner-twice": (lambda: _InnerTwice(False), (_r(2, 4, 5, 8), _r(2, 4, 7, 8)), _TWICE),
+    "part-and-inner": (lambda: _InnerTwice(True), (_r(2, 4, 5, 8), _r(2, 4, 7, 8)), _TWICE),
     "query-reads-the-buffer": (_QueryFromBuffer, (_r(2, 4, 5, 8), _r(2, 4, 12, 8), _r(2, 4, 5, 8),
-                                                  _r(2, 4, 12, 8))),
-    "legacy-empty-part": (_LegacyEmpty, (_r(2, 4, 5, 8), torch.empty(0))),
+                                                  _r(2, 4, 12, 8)),
+                               "an attention operand reads the buffer"),
+    "legacy-empty-part": (_LegacyEmpty, (_r(2, 4, 5, 8), torch.empty(0)), _TWICE),
 }
 
 
 @pytest.mark.parametrize("case", sorted(TREES_LEFT_ALONE))
 def test_trees_the_pass_cannot_place_exactly_are_left_alone(case):
-    make, inputs = TREES_LEFT_ALONE[case]
+    make, inputs, reason = TREES_LEFT_ALONE[case]
     module = make()
     buffers = dict(module.named_buffers())
 
@@ -204,8 +208,9 @@ def test_trees_the_pass_cannot_place_exactly_are_left_alone(case):
         return functional_call(module, b, xs)
 
     gm = make_fx(run, tracing_mode="fake", pre_dispatch=True)(buffers, *inputs)
-    before = gm.code
-    assert write_cats_in_place(gm, "cpu") == 0 and gm.code == before
+    before, left = gm.code, {}
+    assert write_cats_in_place(gm, "cpu", left) == 0 and gm.code == before
+    assert left == {reason: 1}
     b_ref, b_ours = ({k: v.clone() for k, v in buffers.items()} for _ in range(2))
     assert torch.equal(run(b_ref, *inputs), gm(b_ours, *inputs))
     assert torch.equal(b_ref["buf"], b_ours["buf"])
@@ -293,7 +298,8 @@ def test_real_cfm_stream_with_cats_in_place_is_bit_exact(monkeypatch):
     for entry in compiled.classes.values():
         fusion_records = entry.records["fusion"]
         # per block and Euler step: K, V and their concatenation, and the conv cache's cat
-        assert fusion_records["cats_in_place"] == 2 * 10 * 4
+        assert fusion_records["cats_in_place"] == 2 * 10 * 4, fusion_records["cats_left"]
+        assert fusion_records["cats_left"] == {}
         reads = [a.target for m in entry.gm.modules() if isinstance(getattr(m, "graph", None), torch.fx.Graph)
                  for n in m.graph.nodes if n.target is aten.scaled_dot_product_attention.default
                  for a in n.args[1:3]]
@@ -325,7 +331,8 @@ def test_real_cfm_on_the_device_splits_biases_copies_norm_inputs_and_writes_cats
     assert k.fused_regions > 0 and k.fusions_refused == 0
     for entry in compiled.classes.values():
         f = entry.records["fusion"]
-        assert f["cats_in_place"] == 2 * 10 * 4
+        assert f["cats_in_place"] == 2 * 10 * 4, f["cats_left"]
+        assert f["cats_left"] == {}
         assert f["conv_bias_split"] == 2 * 10 * 2        # both convs of each block, each step
         assert f["norm_inputs_copied"] == 2 * 10          # after the first conv
         ops = {op for r in f["regions"] for op in r["ops"]}
