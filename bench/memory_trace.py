@@ -21,7 +21,7 @@ __all__ = ["Recorder"]
 _SKIP = ("torch/", "contextlib.py", "memory_trace.py", "functools.py")
 
 
-def _site(frames: List[dict], depth: int = 4) -> str:
+def _site(frames: List[dict], depth: int = 6) -> str:
     """The innermost ``depth`` frames outside torch and the standard library, innermost first."""
     own = [f for f in frames if not any(s in f.get("filename", "") for s in _SKIP)]
     return " < ".join(f"{f['filename'].rsplit('/', 2)[-2:][-1]}:{f['line']} {f['name']}"
@@ -29,7 +29,7 @@ def _site(frames: List[dict], depth: int = 4) -> str:
 
 
 class Recorder:
-    def __init__(self, max_entries: int = 2_000_000, min_bytes: int = 1 << 20):
+    def __init__(self, max_entries: int = 2_000_000, min_bytes: int = 1 << 18):
         self.max_entries, self.min_bytes = max_entries, min_bytes
         self.snapshot = None
 
@@ -56,8 +56,15 @@ class Recorder:
             total += e["size"] if e["action"] == "alloc" else -e["size"]
             if total > best:
                 best, at = total, i
+        return {"allocated_at_start_bytes": self.start, "peak_above_start_bytes": best,
+                "end_above_start_bytes": total,
+                "events": len(trace), "truncated": len(trace) >= self.max_entries,
+                "live": self._live(trace[:at + 1], top),        # at the peak
+                "live_at_end": self._live(trace, top)}          # what the span left allocated
+
+    def _live(self, trace: List[dict], top: int) -> List[dict]:
         live: Dict[int, dict] = {}
-        for e in trace[:at + 1]:
+        for e in trace:
             if e["action"] == "alloc":
                 live[e["addr"]] = e
             else:
@@ -67,6 +74,4 @@ class Recorder:
             if e["size"] >= self.min_bytes:
                 sites.setdefault(_site(e.get("frames", [])), []).append(e["size"])
         ranked = sorted(sites.items(), key=lambda kv: -sum(kv[1]))[:top]
-        return {"allocated_at_start_bytes": self.start, "peak_above_start_bytes": best,
-                "events": len(trace), "truncated": len(trace) >= self.max_entries,
-                "live": [{"site": s, "bytes": sum(v), "blocks": len(v)} for s, v in ranked]}
+        return [{"site": s, "bytes": sum(v), "blocks": len(v)} for s, v in ranked]

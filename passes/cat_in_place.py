@@ -27,6 +27,7 @@ import operator
 from typing import Dict, List, Optional, Union
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
 from cadence_fx.fx_utils import CATS, aten, is_mutating, mutated_arg, storage_key, val
@@ -56,6 +57,17 @@ def _aligned(t: torch.Tensor) -> bool:
         (t.storage_offset() * t.element_size()) % _ALIGN_BYTES == 0
 
 
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor on ``t``'s device with its shape, strides and storage offset modulo
+    256 bytes: what the attention backend choice reads. The traced values are fake, and on a fake
+    tensor ``torch._fused_sdp_choice`` answers for the meta device (always the math backend)."""
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+    offset = t.storage_offset() % max(1, 256 // t.element_size())
+    with torch.no_grad(), unset_fake_temporarily():
+        return torch.empty(offset + span, dtype=t.dtype, device=t.device).as_strided(
+            t.shape, t.stride(), offset)
+
+
 def _sdpa_changes(reader: Node, swaps: Dict[Node, torch.Tensor]) -> Optional[str]:
     """Why attention would not be the same kernel on the same values with ``swaps`` (node -> its
     value in the buffer) in place of the cat outputs it reads; None when it would: the backend is
@@ -75,8 +87,8 @@ def _sdpa_changes(reader: Node, swaps: Dict[Node, torch.Tensor]) -> Optional[str
     before = [val(a) for a in qkv]
     after = [swaps.get(a, val(a)) for a in qkv]
     try:
-        chosen = int(torch._fused_sdp_choice(*before, **kw))
-        moved = int(torch._fused_sdp_choice(*after, **kw))
+        chosen = int(torch._fused_sdp_choice(*[_real(t) for t in before], **kw))
+        moved = int(torch._fused_sdp_choice(*[_real(t) for t in after], **kw))
     except (RuntimeError, TypeError) as e:
         return f"torch._fused_sdp_choice raised {type(e).__name__}"
     device = before[0].device.type

@@ -110,6 +110,24 @@ def test_kv_cats_are_written_in_place_and_attention_reads_the_buffer():
     assert _same_results(gm, run, args)
 
 
+def test_the_attention_backend_is_chosen_on_real_tensors(monkeypatch):
+    """The traced values are fake, and ``torch._fused_sdp_choice`` on a fake tensor answers for
+    the meta device (always math): the choice is read from real tensors of the same layout."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    seen, choose = [], torch._fused_sdp_choice
+
+    def spy(*args, **kwargs):
+        seen.append(args)
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_sdp_choice", spy)
+    gm, run, args = _traced(Attention())
+    assert write_cats_in_place(gm, "cpu") == 3
+    assert len(seen) == 2 and not any(isinstance(t, FakeTensor) for a in seen for t in a)
+    assert [tuple(t.stride()) for t in seen[1][1:]] == [tuple(a.meta["val"].stride()) for a in
+                                                        _ops(gm, aten.scaled_dot_product_attention.default)[0].args[1:3]]
+
+
 def test_a_cat_read_by_another_op_is_kept_and_copied_whole():
     gm, run, args = _traced(Attention(reader="sum"))
     assert write_cats_in_place(gm, "cpu") == 2   # the outer cat and V's; K is read by the sum

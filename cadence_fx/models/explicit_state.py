@@ -96,10 +96,11 @@ class ExplicitState(nn.Module):
         return slots
 
     def _read_fresh(self) -> Dict[str, torch.Tensor]:
-        """The modules' fresh streaming state as the step's dict; each per-layer ring is copied
-        into its stacked tensor and rebound to that slice one layer at a time, so the layer's own
-        cache is let go before the next is copied: the state never exists twice (stacking the
-        7B LM's rings at once would hold 1.6 GB twice)."""
+        """The modules' fresh streaming state as the step's dict, each stack of per-layer rings
+        as one tensor the layers are rebound to slices of. The state never exists twice (the
+        7B LM's rings are 1.6 GB): every layer's ring is let go before the stacked tensor is
+        allocated, an all-zero ring (what entering streaming makes) as its shape, any other
+        through a host copy."""
         state: Dict[str, torch.Tensor] = {}
         stacked: Dict[str, List[_Slot]] = {}
         for s in self._all_slots():
@@ -108,22 +109,32 @@ class ExplicitState(nn.Module):
             else:
                 stacked.setdefault(s.key, []).append(s)
         for key, slots in stacked.items():
-            like = getattr(slots[0].holder, slots[0].attr)
             layers = max(s.index for s in slots) + 1
             if sorted(s.index for s in slots) != list(range(layers)):
                 raise RuntimeError(f"{key}: ring caches of layers {sorted(s.index for s in slots)}")
-            out = torch.empty((layers, *like.shape), dtype=like.dtype, device=like.device)
+            like = getattr(slots[0].holder, slots[0].attr)
+            shape, dtype, device = like.shape, like.dtype, like.device
+            del like
+            for s in slots:
+                layer = getattr(s.holder, s.attr)
+                if (layer.shape, layer.dtype, layer.device) != (shape, dtype, device):
+                    raise RuntimeError(f"{key}: the ring cache of layer {s.index} is "
+                                       f"{tuple(layer.shape)} {layer.dtype}, layer 0's "
+                                       f"{tuple(shape)} {dtype}: they cannot stack")
+            del layer
+            held: Dict[int, torch.Tensor] = {}     # layer -> host copy of a ring that is not zero
             with torch.no_grad():
                 for s in slots:
                     layer = getattr(s.holder, s.attr)
-                    if (layer.shape, layer.dtype, layer.device) != (like.shape, like.dtype, like.device):
-                        raise RuntimeError(f"{key}: the ring cache of layer {s.index} is "
-                                           f"{tuple(layer.shape)} {layer.dtype}, layer 0's "
-                                           f"{tuple(like.shape)} {like.dtype}: they cannot stack")
+                    if layer.any():
+                        held[s.index] = layer.to("cpu")
                     del layer
-                    out[s.index].copy_(getattr(s.holder, s.attr))
+                    setattr(s.holder, s.attr, None)   # the layer's ring is let go here
+                out = torch.zeros((layers, *shape), dtype=dtype, device=device)
+                for s in slots:
+                    if s.index in held:
+                        out[s.index].copy_(held.pop(s.index))
                     setattr(s.holder, s.attr, out[s.index])
-            del like
             state[key] = out
         return state
 
