@@ -48,8 +48,9 @@ class CudaGraphBackend:
         self.copy_outputs = copy_outputs
         self.warm_up = warm_up       # warm every piece up before its first capture attempt
         self.pool = None
-        # one side stream for every eager warm-up: the BLAS libraries keep a workspace per
-        # stream they run on (32 MiB each for cuBLAS on Hopper) for the life of the process
+        # one side stream for every eager warm-up and every capture: the BLAS libraries keep a
+        # workspace per stream they run on (32 MiB each for cuBLAS on Hopper) for the life of
+        # the process
         self._side: Optional[torch.cuda.Stream] = None
         self._graphs = weakref.WeakSet()   # the graphs captured into ``pool`` still alive
         self.captured = 0
@@ -143,11 +144,17 @@ class CudaGraphBackend:
         replay.graph = graph
         return replay, None
 
+    def _stream(self) -> torch.cuda.Stream:
+        """The side stream warm-ups and captures run on, one per device in use."""
+        if self._side is None or self._side.device.index != torch.cuda.current_device():
+            self._side = torch.cuda.Stream()
+        return self._side
+
     def _capture(self, piece, static):
         """Record the piece into the shared pool; nothing runs, so nothing is written."""
         graph, rng = torch.cuda.CUDAGraph(), RngSnapshot()
         try:
-            with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
+            with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, stream=self._stream()):
                 outs = piece.module(*static)
         except BaseException:
             torch.cuda.synchronize()
@@ -168,9 +175,7 @@ class CudaGraphBackend:
         else:
             self.warmups += 1
         try:
-            if self._side is None or self._side.device.index != torch.cuda.current_device():
-                self._side = torch.cuda.Stream()
-            side = self._side
+            side = self._stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side), torch.no_grad():
                 piece.module(*args)

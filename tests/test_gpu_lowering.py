@@ -104,9 +104,11 @@ class _InWarmUp(cg.TensorSnapshot):
 def test_the_warm_up_runs_on_a_side_stream_and_is_timed(monkeypatch):
     model, prompt_state, xs = _toy()
     stock, _, _ = _stream(model, prompt_state, xs)
-    streams = []
+    streams, captures = [], []
 
     def hook(module, args):
+        if isinstance(module, torch.fx.GraphModule) and torch.cuda.is_current_stream_capturing():
+            captures.append(torch.cuda.current_stream())
         if _InWarmUp.active and isinstance(module, torch.fx.GraphModule):
             streams.append(torch.cuda.current_stream())
             time.sleep(0.05)                                # each warm-up takes >= 50 ms
@@ -127,6 +129,8 @@ def test_the_warm_up_runs_on_a_side_stream_and_is_timed(monkeypatch):
     assert all(s != torch.cuda.default_stream() for s in streams)
     # one side stream for all of them: each stream the BLAS libraries run on keeps a workspace
     assert len({s.cuda_stream for s in streams}) == 1
+    # and the captures run on it too (not on torch.cuda.graph's own stream)
+    assert captures and {s.cuda_stream for s in captures} == {s.cuda_stream for s in streams}
     assert 0.05 * b.warmups <= b.warmup_seconds <= b.capture_seconds <= wall
 
 
