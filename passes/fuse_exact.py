@@ -20,13 +20,14 @@ dtype (tests/test_fuse_exact.py). What stays out, and why:
 * ``add``/``sub`` with ``alpha`` != 1: ATen's kernel may contract ``a + alpha * b`` into an FMA;
 * division by a host tensor: ATen multiplies by its reciprocal (a Python number is fine: Inductor
   is given that same product, ``fusion.inductor_form``);
-* ``neg``, ``abs`` (a NaN's sign and payload), ``clamp`` (-0 against +0), ``sigmoid`` (another
-  formula): not ATen's bits on the H200; erf-GELU, softmax, LayerNorm, RMSNorm: never bit-exact
-  when fused; casts other than fp32 <-> bf16, fp16 and int32: not covered by the op test;
+* ``neg``, ``abs`` (a NaN's sign and payload), a floating ``clamp`` (-0 against +0; an integer
+  one by integer bounds fuses), ``sigmoid`` (another formula): not ATen's bits on the H200;
+  erf-GELU, softmax, LayerNorm, RMSNorm: never bit-exact when fused; casts other than fp32 <-> bf16, fp16 and int32: not covered by the op test;
 * a literal the compilers fold: ``x + 0``, ``x * 1`` (dropped), ``x * 0`` (zeros), ``x * -1`` (a
   sign flip), a division whose fp32 reciprocal is 0 or ±1; ATen computes them (-0 + 0 is +0, NaN
-  * 0 is NaN, the device's multiply makes a NaN canonical); ``full_like``, a fill Inductor folds
-  into its users, which then meet the same fate;
+  * 0 is NaN, the device's multiply makes a NaN canonical); a floating ``full_like``, a fill
+  Inductor folds into its users, which then meet the same fate (an integer or boolean fill read
+  only by integer and boolean ops fuses: folding is exact there);
 * host-side work in a device step: it stays stock, and eager;
 * anything in place: its order against the carry's writes is the graph's.
 
@@ -127,6 +128,31 @@ def _always(n: Node) -> bool:
     return True
 
 
+def _integral(x) -> bool:
+    return isinstance(x, (bool, int)) or (isinstance(x, Node) and val(x) is not None
+                                          and val(x).dtype in INT + BOOL)
+
+
+def _integer_bounds(n: Node) -> bool:
+    """``clamp`` of an integer tensor by integer bounds: a min and a max, nothing rounded."""
+    bounds = list(n.args[1:]) + [n.kwargs.get(k) for k in ("min", "max")]
+    return all(b is None or (not isinstance(b, Node) and _integral(b)) for b in bounds)
+
+
+def _integer_fill(n: Node) -> bool:
+    """An integer or boolean fill read only by integer and boolean arithmetic. Inductor folds a
+    uniform fill into its readers: exact for integers (``x * 0`` is 0, ``x + 0`` is x), not for
+    floats (NaN * 0 is NaN), so no reader may mix it with a float."""
+    like = val(n.args[0])
+    same = {"dtype": (None, like.dtype), "device": (None, like.device), "pin_memory": (None, False),
+            "layout": (None, torch.strided), "memory_format": (None, torch.preserve_format)}
+    if len(n.args) != 2 or not _integral(n.args[1]) or \
+            any(k not in same or v not in same[k] for k, v in n.kwargs.items()):
+        return False
+    return all(u.op == "call_function" and all(_integral(a) for a in u.all_input_nodes)
+               and val(u) is not None and val(u).dtype in INT + BOOL for u in n.users)
+
+
 # op -> (the input dtypes it may fuse on, when it may fuse). Why each fused form is the stock
 # arithmetic: integers, comparisons, selects and copies have no rounding; add, sub, mul and div_rn
 # are one correctly rounded IEEE operation per element (and the fused code contracts nothing into
@@ -140,6 +166,8 @@ EXACT_OPS: Dict[torch._ops.OpOverload, Tuple[tuple, Callable[[Node], bool]]] = {
     aten.clone.default: (_ANY, lambda n: n.kwargs in ({}, {"memory_format": torch.contiguous_format})),
     aten.remainder.Scalar: (INT, lambda n: n.args[1] != 0),   # Python's modulo on both sides
     aten.pow.Tensor_Scalar: (FLOAT, _square),
+    aten.clamp.default: (INT, _integer_bounds),        # -0 against +0 in floats: those stay stock
+    aten.full_like.default: (INT + BOOL, _integer_fill),
     aten.where.self: (_ANY, _always),
     **{getattr(getattr(aten, c), k): (_ANY, _always)
        for c in ("eq", "ne", "lt", "le", "gt", "ge") for k in ("Tensor", "Scalar")},

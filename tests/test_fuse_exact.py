@@ -122,6 +122,12 @@ def _node(fn, *args):
     return next(n for n in gm.graph.nodes if n.op == "call_function")
 
 
+def _fill_fusible(fn, *xs) -> bool:
+    gm = torch.fx.experimental.proxy_tensor.make_fx(fn, pre_dispatch=True)(*xs)
+    (fill,) = [n for n in gm.graph.nodes if n.target is aten.full_like.default]
+    return fusible(fill)
+
+
 def test_the_whitelist_keeps_out_what_stock_computes_differently():
     x, y = torch.randn(4), torch.randn(4)
     assert fusible(_node(lambda a, b: a + b, x, y))
@@ -134,6 +140,15 @@ def test_the_whitelist_keeps_out_what_stock_computes_differently():
     assert not fusible(_node(lambda a: a * -1, x))           # the device compiler makes it a sign flip
     assert not fusible(_node(lambda a: a / 1.00000001, x))   # its fp32 reciprocal is 1.0
     assert not fusible(_node(lambda a: torch.full_like(a, 0.0), x))   # a fill Inductor folds into its users
+    i = torch.arange(4)
+    assert not fusible(_node(lambda a: torch.clamp(a, min=0.0), x))   # -0 against +0
+    assert fusible(_node(lambda a: torch.clamp(a, 0, 2), i))            # integers: nothing rounded
+    assert not fusible(_node(lambda a: torch.clamp(a, min=0.5), i))     # a float bound promotes
+    # an integer fill fuses where only integer ops read it (folding is exact there) ...
+    assert _fill_fusible(lambda a: torch.where(a > 1, torch.full_like(a, -1), a), i)
+    # ... not where a float reads it (x * 0 folded is 0; NaN * 0 is NaN)
+    assert not _fill_fusible(lambda a, f: f * torch.full_like(a, 0), i, x)
+    assert not _fill_fusible(lambda a: torch.full_like(a, 0.5, dtype=torch.float32) + a, i)
     assert not fusible(_node(lambda a: a.to(torch.float16), x))     # fp16: not in the op test
     assert not fusible(_node(lambda a: a.float(), torch.arange(4)))   # int -> float: not in the op test
     assert not fusible(_node(lambda a: a.int(), x))                      # NaN, inf: undefined
@@ -345,6 +360,8 @@ def _op_case(op, dtype):
     scalar = 0.5 if dtype.is_floating_point else 3
     if cmp and op._overloadname == "Scalar" or op is aten.full_like.default:
         return lambda a, b: op(a, scalar)
+    if op is aten.clamp.default:
+        return lambda a, b: (op(a, -5, 5), op(a, None, 0), op(a, 3))
     if op is aten.remainder.Scalar:
         return lambda a, b: (op(a, 7), op(a, -3))
     if op is aten.clone.default:
