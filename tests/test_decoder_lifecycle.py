@@ -1,0 +1,100 @@
+"""The exact rewrites ahead of fusion (the K/V cats written into the workspace in place, integer
+fills and clamps fused) and the fused regions on our own streaming decoder, driven as a server drives it: speakers primed mid-stream, a chunk retried,
+a session set aside and resumed, a new mode, a restart from the compile cache. Every output and
+every state bit-exact against the stock decoder run through the same script."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cadence_fx
+from cadence_fx import fusion
+from cadence_fx.fusion import regions
+
+from streaming_conformer import one_thread  # noqa: F401 - autouse: one intra-op thread per file
+from streaming_decoder import CALL, CHUNK, DECODER_ADAPTER, chunks, clone, make_decoder, prompt
+
+
+@pytest.fixture
+def rewrites_on_cpu(monkeypatch):
+    """Fusion on the CPU: Inductor's C++ compiles the regions, each verified as on the device.
+    (A convolution's bias is split off only where cuDNN runs it, which adds the bias after the
+    convolution; the CPU's kernels add it inside, so that rewrite is the device's: the real CFM's
+    device test covers it.)"""
+    monkeypatch.setattr(fusion, "DEVICES", ("cuda", "cpu"))
+
+
+def script(step):
+    """One server's traffic through ``step``; returns every output and state, cloned."""
+    out = []
+    xs = chunks([CHUNK, CHUNK, CALL, CHUNK, CHUNK, CALL], seed=7)
+
+    def call(x, state, mode=torch.no_grad):
+        with mode():
+            y, new = step(x, state)
+        out.append((y.clone(), clone(new)))
+        return new
+
+    a = clone(call(prompt(0), None))                 # speaker 0 primed
+    a = clone(call(xs[0], a))
+    before = clone(a)                                # kept to retry the next chunk
+    call(xs[1], a)                                   # its result is lost: retried from the copy
+    a = clone(call(xs[1], clone(before)))
+    b = clone(call(prompt(1), None))                 # speaker 1 arrives mid-stream
+    b = clone(call(xs[2], b))
+    a = clone(call(xs[3], a))                        # speaker 0 resumes
+    a = clone(call(xs[4], a, mode=torch.inference_mode))   # a new mode: a class of its own
+    b = clone(call(xs[5], b))
+    call(prompt(0), None)                            # speaker 0's next turn, primed again
+    return out
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(
+        torch.equal(x[0], y[0]) and x[1].keys() == y[1].keys()
+        and all(torch.equal(x[1][k], y[1][k]) for k in x[1]) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def stock():
+    return script(make_decoder())
+
+
+def _fusion_records(compiled):
+    return [e.records["fusion"] for e in compiled.classes.values()]
+
+
+def test_the_rewrites_run_through_a_server_lifecycle_bit_exact(rewrites_on_cpu, stock, tmp_path):
+    compiled = cadence_fx.compile(make_decoder(), DECODER_ADAPTER, cache_dir=tmp_path)
+    assert _same(stock, script(compiled))
+    k = compiled.counters
+    assert k.fallbacks == 0 and k.compiled_calls == k.calls == len(stock)
+    # per layer, the priming pass's K/V concatenation written into the workspace in place; a
+    # chunk's K, V and their concatenation too: 1 and 3 cats per layer, none left
+    primed = [e.key[0][0] == (None, None) for e in compiled.classes.values()]
+    records = _fusion_records(compiled)
+    assert sorted(primed) == [False] * 5 + [True]   # steady classes: widths x modes, one priming
+    assert [r["cats_in_place"] for r in records] == [2 if p else 6 for p in primed]
+    assert all(r["cats_left"] == {} for r in records)
+    # the positions' integer fill and clamp fuse with the comparison and the select (in the
+    # priming class the offset is a constant: folded at compile time)
+    for r in (r for r, p in zip(records, primed) if not p):
+        assert any({"full_like.default", "clamp.default", "where.self"} <= set(x["ops"])
+                   for x in r["regions"]), r["regions"]
+    assert k.fused_regions > 0 and all(r.state != "pending" for e in compiled.classes.values()
+                                       for r in regions(e.gm))
+    # a restart: every class loads from the cache, its regions verified again, bit-exact
+    restarted = cadence_fx.compile(make_decoder(), DECODER_ADAPTER, cache_dir=tmp_path)
+    assert _same(stock, script(restarted))
+    r = restarted.counters
+    assert r.traces == 0 and r.compiled_loads == len(restarted.classes) == len(compiled.classes)
+    assert r.fallbacks == 0 and r.fused_regions == k.fused_regions
+
+
+def test_without_the_rewrites_nothing_is_written_in_place(stock):
+    """The control: the same script with fusion off (the shipped default on the CPU) is also
+    bit-exact, and none of the rewrites ran -- what the first test counts is theirs."""
+    compiled = cadence_fx.compile(make_decoder(), DECODER_ADAPTER)
+    assert _same(stock, script(compiled))
+    assert all(r.get("cats_in_place") is None and r["regions"] == []
+               for r in _fusion_records(compiled))
