@@ -24,7 +24,7 @@ _SKIP = ("torch/", "contextlib.py", "memory_trace.py", "functools.py")
 def _site(frames: List[dict], depth: int = 6) -> str:
     """The innermost ``depth`` frames outside torch and the standard library, innermost first."""
     own = [f for f in frames if not any(s in f.get("filename", "") for s in _SKIP)]
-    return " < ".join(f"{f['filename'].rsplit('/', 2)[-2:][-1]}:{f['line']} {f['name']}"
+    return " < ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
                       for f in own[:depth]) or "(torch internals)"
 
 

@@ -22,7 +22,8 @@ dtype (tests/test_fuse_exact.py). What stays out, and why:
   is given that same product, ``fusion.inductor_form``);
 * ``neg``, ``abs`` (a NaN's sign and payload), a floating ``clamp`` (-0 against +0; an integer
   one by integer bounds fuses), ``sigmoid`` (another formula): not ATen's bits on the H200;
-  erf-GELU, softmax, LayerNorm, RMSNorm: never bit-exact when fused; casts other than fp32 <-> bf16, fp16 and int32: not covered by the op test;
+  erf-GELU, softmax, LayerNorm, RMSNorm: never bit-exact when fused; casts other than fp32 <->
+  bf16, fp16 and int32: not covered by the op test;
 * a literal the compilers fold: ``x + 0``, ``x * 1`` (dropped), ``x * 0`` (zeros), ``x * -1`` (a
   sign flip), a division whose fp32 reciprocal is 0 or ±1; ATen computes them (-0 + 0 is +0, NaN
   * 0 is NaN, the device's multiply makes a NaN canonical); a floating ``full_like``, a fill
@@ -140,17 +141,27 @@ def _integer_bounds(n: Node) -> bool:
 
 
 def _integer_fill(n: Node) -> bool:
-    """An integer or boolean fill read only by integer and boolean arithmetic. Inductor folds a
-    uniform fill into its readers: exact for integers (``x * 0`` is 0, ``x + 0`` is x), not for
-    floats (NaN * 0 is NaN), so no reader may mix it with a float."""
-    like = val(n.args[0])
+    """An integer or boolean fill read only by integer and boolean arithmetic (through views
+    too). Inductor folds a uniform fill into its readers: exact for integers (``x * 0`` is 0,
+    ``x + 0`` is x), not for floats (NaN * 0 is NaN), so no reader may mix it with a float."""
+    like = val(n.args[0]) if n.args and isinstance(n.args[0], Node) else None
+    if like is None or len(n.args) != 2 or not _integral(n.args[1]):
+        return False
     same = {"dtype": (None, like.dtype), "device": (None, like.device), "pin_memory": (None, False),
             "layout": (None, torch.strided), "memory_format": (None, torch.preserve_format)}
-    if len(n.args) != 2 or not _integral(n.args[1]) or \
-            any(k not in same or v not in same[k] for k, v in n.kwargs.items()):
+    if any(k not in same or v not in same[k] for k, v in n.kwargs.items()):
         return False
-    return all(u.op == "call_function" and all(_integral(a) for a in u.all_input_nodes)
-               and val(u) is not None and val(u).dtype in INT + BOOL for u in n.users)
+
+    def integer_readers(node: Node) -> bool:
+        for u in node.users:
+            if u.op != "call_function" or not all(_integral(a) for a in u.all_input_nodes) or \
+                    val(u) is None or val(u).dtype not in INT + BOOL:
+                return False
+            if u.target in VIEWS and not integer_readers(u):
+                return False
+        return True
+
+    return integer_readers(n)
 
 
 # op -> (the input dtypes it may fuse on, when it may fuse). Why each fused form is the stock

@@ -149,6 +149,7 @@ def test_the_whitelist_keeps_out_what_stock_computes_differently():
     # ... not where a float reads it (x * 0 folded is 0; NaN * 0 is NaN)
     assert not _fill_fusible(lambda a, f: f * torch.full_like(a, 0), i, x)
     assert not _fill_fusible(lambda a: torch.full_like(a, 0.5, dtype=torch.float32) + a, i)
+    assert not _fill_fusible(lambda a, f: f * torch.full_like(a, 0).view(2, 2), i, x.view(2, 2))
     assert not fusible(_node(lambda a: a.to(torch.float16), x))     # fp16: not in the op test
     assert not fusible(_node(lambda a: a.float(), torch.arange(4)))   # int -> float: not in the op test
     assert not fusible(_node(lambda a: a.int(), x))                      # NaN, inf: undefined
