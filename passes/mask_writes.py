@@ -61,9 +61,10 @@ def mask_of(node: Node) -> Optional[List[int]]:
 
 
 def _constant(node: Node) -> bool:
-    """A literal of the step's code, or a constant hoisted by ``hoist_constants``: the same value
-    on every call."""
-    return node.op == "get_attr" and node.target.startswith(("_cadence_const_", "_tensor_constant"))
+    """A constant ``hoist_constants`` made (from a literal of the step's code or a tensor the
+    adapter declares constant): the same value on every call. Any other tensor attribute the
+    trace captured is module state, which may change between calls."""
+    return node.op == "get_attr" and node.target.startswith("_cadence_const_")
 
 
 def mask_writes(gm: GraphModule, ctx: PassContext) -> PassResult:

@@ -170,3 +170,18 @@ def test_the_switch_turns_the_pass_off():
     for e in compiled.classes.values():
         assert [p["kind"] for p in e.records["pieces"]] == ["graph", "eager", "graph"]
     assert _index_puts(compiled) == len(compiled.classes)
+
+
+@pytest.mark.parametrize("name,rewritten", [("_cadence_const_0", True), ("_tensor_constant0", False)])
+def test_a_host_value_is_written_by_a_select_only_when_it_is_a_hoisted_constant(name, rewritten):
+    """A device target and a host value: a constant ``hoist_constants`` made is the same on every
+    call (copied to the device once); any other tensor attribute the trace captured is module
+    state that may change between calls, so the write stays as it is."""
+    from cadence_fx.passes.mask_writes import mask_of
+    g = torch.fx.Graph()
+    x, m, v = g.placeholder("x"), g.placeholder("m"), g.get_attr(name)
+    put = g.call_function(aten.index_put_.default, (x, [m], v))
+    x.meta["val"] = torch.empty(3, 4, device="meta")
+    m.meta["val"] = torch.empty(3, dtype=torch.bool, device="meta")
+    v.meta["val"] = torch.tensor(7.0)
+    assert mask_of(put) == ([3, 1] if rewritten else None)
