@@ -120,3 +120,37 @@ def test_rings_that_cannot_stack_are_refused_before_any_is_let_go():
     with pytest.raises(RuntimeError, match="layer 1 .* they cannot stack"):
         Odd()
     assert all(layer._streaming_state.kv_cache.cache is not None for layer in stack.layers)
+
+
+def test_a_failed_allocation_puts_every_ring_back(monkeypatch):
+    """Out of memory for the stacked tensor: every ring let go is bound again with its values,
+    and the error reaches the caller."""
+    step_layers = _Stack([0, 1.5, -2])
+    zeros = torch.zeros
+
+    def no_room(*args, **kwargs):
+        t = zeros(*args, **kwargs)
+        if t.dim() == 6:
+            raise torch.OutOfMemoryError("no room for the stacked rings (test)")
+        return t
+
+    class Failing(_Step):
+        def __init__(self):
+            ES.ExplicitState.__init__(self)
+            self.stack = step_layers
+            self._setup([self.stack], {"stack.layers": "kv"}, {}, batch=1)
+
+    monkeypatch.setattr(torch, "zeros", no_room)
+    with pytest.raises(torch.OutOfMemoryError, match="stacked rings"):
+        Failing()
+    monkeypatch.setattr(torch, "zeros", zeros)
+    rings = [layer._streaming_state.kv_cache.cache for layer in step_layers.layers]
+    assert [float(r.unique()) for r in rings] == [0.0, 1.5, -2.0]
+    assert all(r.shape == (2, 1, 2, 6, 4) for r in rings)
+
+
+def test_a_ring_of_negative_zeros_keeps_its_sign():
+    """-0.0 is not +0: such a ring is copied, not made again as zeros."""
+    step = _Step([-0.0, 0, 0])
+    kv = step.initial_state()["kv"]
+    assert torch.signbit(kv[0]).all() and not torch.signbit(kv[1:]).any()

@@ -52,6 +52,11 @@ def _slots(roots: Dict[str, nn.Module], stacks: Dict[str, str]) -> Iterator[_Slo
                     yield _Slot(f"{path}:kv_cache.end_offset", value, "end_offset")
 
 
+def _zero_bits(t: torch.Tensor) -> bool:
+    """Every element is +0 (a -0.0 is not: made again as zeros it would lose its sign)."""
+    return not t.any() and not (t.is_floating_point() and torch.signbit(t).any())
+
+
 @dataclasses.dataclass(frozen=True)
 class _Zeros:
     shape: torch.Size
@@ -71,7 +76,11 @@ class ExplicitState(nn.Module):
         self._stacks, self._renames = stacks, renames
         # the stock context of each module: closing it leaves streaming as the stock loop does
         self._streaming = [module.streaming(batch) for module in enter]
-        fresh = self._read_fresh()
+        try:
+            fresh = self._read_fresh()
+        except BaseException:
+            self.close()      # the modules leave streaming: a step can be made again
+            raise
         self._keep_initial(fresh)
         # the modules' own streaming caches are let go (bound to the stacked copy instead), and
         # that copy is the first initial_state(): the state exists once, as in the stock loop
@@ -123,14 +132,26 @@ class ExplicitState(nn.Module):
                                        f"{tuple(shape)} {dtype}: they cannot stack")
             del layer
             held: Dict[int, torch.Tensor] = {}     # layer -> host copy of a ring that is not zero
+            released: List[_Slot] = []
+            try:
+                with torch.no_grad():
+                    for s in slots:
+                        layer = getattr(s.holder, s.attr)
+                        if not _zero_bits(layer):
+                            held[s.index] = layer.to("cpu")
+                        del layer
+                        setattr(s.holder, s.attr, None)   # the layer's ring is let go here
+                        released.append(s)
+                    out = torch.zeros((layers, *shape), dtype=dtype, device=device)
+            except BaseException:
+                # (out of memory): every ring let go is put back, from its host copy or as
+                # zeros, so the modules are as they were
+                with torch.no_grad():
+                    for s in released:
+                        setattr(s.holder, s.attr, held[s.index].to(device) if s.index in held
+                                else torch.zeros(shape, dtype=dtype, device=device))
+                raise
             with torch.no_grad():
-                for s in slots:
-                    layer = getattr(s.holder, s.attr)
-                    if layer.any():
-                        held[s.index] = layer.to("cpu")
-                    del layer
-                    setattr(s.holder, s.attr, None)   # the layer's ring is let go here
-                out = torch.zeros((layers, *shape), dtype=dtype, device=device)
                 for s in slots:
                     if s.index in held:
                         out[s.index].copy_(held.pop(s.index))
@@ -143,7 +164,7 @@ class ExplicitState(nn.Module):
         their shape only, so the step holds no second copy of the state; the others (a few
         bytes each) as copies, never the tensors of the state handed out, which are written
         (in place by the stock step, or as carries a donating compiled step took over)."""
-        self._initial = {k: (_Zeros(v.shape, v.dtype, v.device) if not v.any() else v.clone())
+        self._initial = {k: (_Zeros(v.shape, v.dtype, v.device) if _zero_bits(v) else v.clone())
                          if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
     def initial_state(self) -> Dict[str, torch.Tensor]:
