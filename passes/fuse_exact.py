@@ -141,9 +141,11 @@ def _integer_bounds(n: Node) -> bool:
 
 
 def _integer_fill(n: Node) -> bool:
-    """An integer or boolean fill read only by integer and boolean arithmetic (through views
-    too). Inductor folds a uniform fill into its readers: exact for integers (``x * 0`` is 0,
-    ``x + 0`` is x), not for floats (NaN * 0 is NaN), so no reader may mix it with a float."""
+    """An integer or boolean fill whose every reader that may share its region -- and theirs,
+    through any op that may fuse -- takes only integer or boolean tensors and makes one. Inductor
+    carries a uniform value through the pointwise ops it feeds (``clamp(full(0), 0, 5)`` is still
+    zeros) and then drops ``x + zeros`` and ``x * ones``: exact on integers, not on floats
+    (``-0.0 + 0`` is ``+0.0``, NaN * 1 may lose its payload)."""
     like = val(n.args[0]) if n.args and isinstance(n.args[0], Node) else None
     if like is None or len(n.args) != 2 or not _integral(n.args[1]):
         return False
@@ -152,16 +154,18 @@ def _integer_fill(n: Node) -> bool:
     if any(k not in same or v not in same[k] for k, v in n.kwargs.items()):
         return False
 
-    def integer_readers(node: Node) -> bool:
-        for u in node.users:
-            if u.op != "call_function" or not all(_integral(a) for a in u.all_input_nodes) or \
-                    val(u) is None or val(u).dtype not in INT + BOOL:
+    seen, todo = set(), [n]
+    while todo:
+        for u in todo.pop().users:
+            if u in seen or u.op != "call_function" or \
+                    (u.target not in EXACT_OPS and u.target not in VIEWS):
+                continue     # a stock op (or the output): the value reaches it materialized
+            if not all(_integral(a) for a in u.all_input_nodes) or any(
+                    not isinstance(v, torch.Tensor) or v.dtype not in INT + BOOL for v in _values(u)):
                 return False
-            if u.target in VIEWS and not integer_readers(u):
-                return False
-        return True
-
-    return integer_readers(n)
+            seen.add(u)
+            todo.append(u)
+    return True
 
 
 # op -> (the input dtypes it may fuse on, when it may fuse). Why each fused form is the stock

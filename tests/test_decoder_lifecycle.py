@@ -49,10 +49,15 @@ def script(step):
     return out
 
 
+def _bits(t):
+    """The tensor's bits: ``torch.equal`` calls -0.0 and +0.0 equal (and a NaN unequal to itself)."""
+    return t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t
+
+
 def _same(a, b):
     return len(a) == len(b) and all(
-        torch.equal(x[0], y[0]) and x[1].keys() == y[1].keys()
-        and all(torch.equal(x[1][k], y[1][k]) for k in x[1]) for x, y in zip(a, b))
+        torch.equal(_bits(x[0]), _bits(y[0])) and x[1].keys() == y[1].keys()
+        and all(torch.equal(_bits(x[1][k]), _bits(y[1][k])) for k in x[1]) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
