@@ -48,8 +48,8 @@ class Recorder:
         """The peak of the recorded span and the live blocks of at least ``min_bytes`` then, the
         largest allocation sites first (allocated bytes count from an alloc to its free request,
         as ``memory_allocated`` does)."""
-        trace = [e for e in self.snapshot["device_traces"][torch.cuda.current_device()]
-                 if e["action"] in ("alloc", "free_requested")]
+        every = self.snapshot["device_traces"][torch.cuda.current_device()]
+        trace = [e for e in every if e["action"] in ("alloc", "free_requested")]
         total = best = 0
         at = -1
         for i, e in enumerate(trace):
@@ -58,7 +58,8 @@ class Recorder:
                 best, at = total, i
         return {"allocated_at_start_bytes": self.start, "peak_above_start_bytes": best,
                 "end_above_start_bytes": total,
-                "events": len(trace), "truncated": len(trace) >= self.max_entries,
+                # the history is a ring of max_entries actions: full, its start is lost
+                "events": len(trace), "truncated": len(every) >= self.max_entries,
                 "live": self._live(trace[:at + 1], top),        # at the peak
                 "live_at_end": self._live(trace, top)}          # what the span left allocated
 

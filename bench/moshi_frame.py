@@ -378,18 +378,20 @@ def cadence_row(mimi, lm_gen, args, warm, timed_streams, reset_at, ref, e):
     if args.memory_trace and CUDA:
         from memory_trace import Recorder
         trace = Recorder().__enter__()
-    step = M.MoshiStep(mimi, lm_gen)
-    adapter = M.moshi_adapter(M.SMALL_LM if args.small else None)
-    # a server gives each stream's state to the step (the stock loop lets its modules write
-    # theirs in place): the rings become the carries, the state is held once
-    compiled = cadence_fx.compile(step, adapter, fuse=not args.no_fuse,
-                                  donate_state=not args.no_donate)
-    t1 = time.perf_counter()
-    with PhasePeaks() as phases:
-        cadence_streams(step, compiled, warm, reset_at)   # traces and captures every class
+    try:
+        step = M.MoshiStep(mimi, lm_gen)
+        adapter = M.moshi_adapter(M.SMALL_LM if args.small else None)
+        # a server gives each stream's state to the step (the stock loop lets its modules write
+        # theirs in place): the rings become the carries, the state is held once
+        compiled = cadence_fx.compile(step, adapter, fuse=not args.no_fuse,
+                                      donate_state=not args.no_donate)
+        t1 = time.perf_counter()
+        with PhasePeaks() as phases:
+            cadence_streams(step, compiled, warm, reset_at)   # traces and captures every class
+    finally:
+        if trace is not None:   # recording stops here, whatever happened
+            trace.__exit__(None, None, None)
     compile_s = time.perf_counter() - t1
-    if trace is not None:
-        trace.__exit__(None, None, None)
     compile_peak = process_peak()   # the most allocated so far: model, compile, verify, capture
     before = (compiled.counters.replays, compiled.counters.fallbacks)
     ours, c = timed(lambda t: cadence_streams(step, compiled, timed_streams, reset_at, t))

@@ -145,7 +145,8 @@ class CudaGraphBackend:
         return replay, None
 
     def _stream(self) -> torch.cuda.Stream:
-        """The side stream warm-ups and captures run on, one per device in use."""
+        """The side stream warm-ups and captures run on (made again if the current device
+        changed since: a step runs on one device)."""
         if self._side is None or self._side.device.index != torch.cuda.current_device():
             self._side = torch.cuda.Stream()
         return self._side

@@ -208,7 +208,9 @@ def _rewrite(gm: GraphModule, write: Node, device: str) -> Union[int, str]:
             or top.target not in CATS or list(top.users) != [write]):
         return 0
     d, t = val(dst), val(top)
-    if d is None or t is None or d.device.type != device:
+    if d is None or t is None:
+        return "no traced value"
+    if d.device.type != device:
         return 0
     if d.dtype != t.dtype or tuple(d.shape) != tuple(t.shape) or d.device != t.device:
         return "buffer and cat differ (device, dtype or shape)"
