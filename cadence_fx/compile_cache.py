@@ -59,7 +59,7 @@ from .tracing import TracedStep, module_state_tensors
 
 __all__ = ["CompileCache", "entries", "clear", "default_dir", "FORMAT"]
 
-FORMAT = 2
+FORMAT = 3   # 3: a fused region keeps the inputs it writes
 log = logging.getLogger(__name__)
 
 

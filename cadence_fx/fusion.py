@@ -12,6 +12,11 @@ States of a region: pending -> fused (verified) or stock (with the reason).
   report. One input is a sample: what makes the fused form exact on every input is that a region
   holds only ops whose fused arithmetic is ATen's (``passes/fuse_exact.py``), each checked against
   ATen over edge inputs on the device; the verification catches what that argument missed.
+* A region may end on a write (``passes/fuse_exact.py``: a copy of one of its values into a
+  buffer): its fused code writes that input in place. The verification then puts the buffer
+  back between the two runs and compares what each wrote too; a region refused leaves the stock
+  run's bits there. On every eager call the written input must not share storage with another
+  input (the fused kernel would read what it writes): then that call runs stock.
 * Verification syncs with the host, so it may not happen under capture: the device-graph backend
   runs a piece whose regions are pending once eagerly first (as its warm-up runs a piece: side
   stream, everything the piece writes put back), and captures the fused kernels after that.
@@ -42,6 +47,10 @@ NUMERICS = {
     "emulate_precision_casts": True,             # bf16 round trips between ops; no FMA contraction
     "fallback_random": True,
     "use_fast_math": False,                      # libdevice's accurate exp, not an approximation
+    # one launch configuration per pointwise kernel, not the best of two timed on the first call:
+    # the same arithmetic per element either way, and no timing run (with its cache-flushing
+    # buffer, the size of the L2 cache) inside a region's verification
+    "triton.autotune_pointwise": False,
     "triton.cudagraphs": False,                  # the lowering captures; Inductor must not
     "freezing": False,
 }
@@ -123,11 +132,13 @@ def layout_key(args: Sequence) -> tuple:
 
 
 class FusedRegion(torch.nn.Module):
-    """One run of pointwise ops: ``stock`` is its graph (the stock kernels), ``ops`` what it holds."""
+    """One run of pointwise ops: ``stock`` is its graph (the stock kernels), ``ops`` what it holds,
+    ``writes`` the positions of the inputs it writes in place (its last op a copy into one)."""
 
     def __init__(self, stock: torch.fx.GraphModule, name: str, ops: Sequence[str], counters=None,
-                 graph: Optional[tuple] = None):
+                 graph: Optional[tuple] = None, writes: Sequence[int] = ()):
         super().__init__()
+        self.writes = tuple(writes)
         self.stock = stock
         # ``graph_key`` of the stock graph (a region loaded as code has no graph of its own)
         self.graph = graph if graph is not None or not isinstance(stock, torch.fx.GraphModule) \
@@ -140,30 +151,54 @@ class FusedRegion(torch.nn.Module):
         self._fused: Optional[Callable] = None
 
     def forward(self, *args):
-        if self.state == "fused":
+        if self.state == "fused" and not (self.writes and self._written_shared(args) is not None):
             return self._fused(*args)
-        if self.state == "stock":
+        if self.state != "pending":
             return self.stock(*args)
         return self.verify(args)
 
+    def _written_shared(self, args) -> Optional[int]:
+        """The input that shares storage with a written one, if any (then the call runs stock)."""
+        for k in self.writes:
+            mine = args[k].untyped_storage().data_ptr()
+            for j, a in enumerate(args):
+                if j != k and isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == mine:
+                    return j
+        return None
+
     def verify(self, args) -> tuple:
-        """Compile, run both forms on ``args``, admit the fused one only if every output is the
-        same bits at the same layout. Returns the stock outputs."""
+        """Compile, run both forms on ``args``, admit the fused one only if every output, and
+        every input it writes, is the same bits at the same layout. Returns the stock outputs
+        (what the stock form wrote stays written)."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"fused region {self.region_name} must be verified before capture")
-        expected = self.stock(*args)
+        written = [args[k] for k in self.writes]
+        before = [w.clone() for w in written]
+        # compiled first: a region loaded as code is traced on these inputs, which runs it
         try:
-            fused = compile_region(self.stock, args, self.graph)
+            fused, failed = compile_region(self.stock, args, self.graph), None
         except Exception as e:  # noqa: BLE001 - the region stays stock, with the reason
-            return self._refuse(f"compile failed: {_first_line(e)}", expected)
+            fused, failed = None, f"compile failed: {_first_line(e)}"
+        _put(written, before)
+        expected = self.stock(*args)
+        if failed is None and self.writes and self._written_shared(args) is not None:
+            failed = (f"input {self.writes[0]}, which it writes, shares storage with input "
+                      f"{self._written_shared(args)}")
+        if failed is not None:
+            return self._refuse(failed, expected)
+        after = [w.clone() for w in written]
+        _put(written, before)
         try:
             got = fused(*args)
         except _DEVICE_ERRORS:   # out of memory, a broken device context: not the region's verdict
+            _put(written, after)
             raise
         except Exception as e:  # noqa: BLE001 - the region stays stock, with the reason
+            _put(written, after)
             return self._refuse(f"the fused code failed: {_first_line(e)}", expected)
-        reason = _difference(expected, got)
+        reason = _difference(expected, got) or _written_difference(after, written)
         if reason:
+            _put(written, after)
             return self._refuse(reason, expected)
         self._fused, self.state = fused, "fused"
         if self.counters is not None:
@@ -180,6 +215,7 @@ class FusedRegion(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.region_name}: {len(self.ops)} ops, {self.state}" + (
+            f", writes input {self.writes[0]}" if self.writes else "") + (
             f" ({self.reason})" if self.reason else "")
 
 
@@ -189,6 +225,21 @@ _DEVICE_ERRORS = tuple(e for e in (torch.OutOfMemoryError, getattr(torch, "Accel
 
 def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+def _put(tensors: List[torch.Tensor], values: List[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for t, v in zip(tensors, values):
+            t.copy_(v)
+
+
+def _written_difference(expected, got) -> Optional[str]:
+    """What differs between the bits each form wrote (the same tensors: only values can)."""
+    for k, (e, g) in enumerate(zip(expected, got)):
+        if not torch.equal(_bits(e), _bits(g)):
+            bad = (_bits(e) != _bits(g)).sum().item()
+            return f"written input {k} differs from stock in {bad} of {e.numel()} elements"
+    return None
 
 
 def _difference(expected, got) -> Optional[str]:

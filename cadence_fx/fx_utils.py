@@ -15,7 +15,7 @@ except ImportError:  # pragma: no cover - every GraphModule generates its code w
     _LazyGraphModule = None
     _use_lazy_graph_module = None
 
-__all__ = ["aten", "CATS", "VIEW_OPS", "is_mutating", "mutated_arg", "view_chain", "slice_bounds",
+__all__ = ["aten", "CATS", "VIEW_OPS", "WRITES", "is_mutating", "mutated_arg", "view_chain", "slice_bounds",
            "attr_value",
            "val", "dead_code_elimination", "SIDE_EFFECTS", "storage_key", "returns_self",
            "mutated_attributes", "written_bases", "graph_module", "code_deferred",
@@ -33,6 +33,11 @@ VIEW_OPS = {aten.slice.Tensor, aten.select.int, aten.alias.default, aten.detach.
 
 # Python callables inserted into graphs that must survive dead-code elimination.
 SIDE_EFFECTS: set = set()
+
+# ``node.meta[WRITES]`` of a ``call_module`` node: the positions of the arguments its module
+# writes in place (a fused region that writes its result into a buffer). Every question "which
+# storage does the graph write?" reads it, as it reads an in-place op's schema.
+WRITES = "cadence_writes"
 
 
 # -- Python code, generated once --------------------------------------------------------------
@@ -99,6 +104,8 @@ def subgraph(nodes: List[Node], inputs: List[Node], outputs: List[Node],
 
 def is_mutating(node: Node) -> bool:
     t = node.target
+    if node.op == "call_module":
+        return bool(node.meta.get(WRITES))
     if node.op != "call_function":
         return False
     if t in SIDE_EFFECTS:
@@ -108,7 +115,11 @@ def is_mutating(node: Node) -> bool:
 
 
 def mutated_arg(node: Node) -> Optional[Node]:
-    """The argument an in-place/out op writes (its first mutable tensor argument)."""
+    """The argument an in-place/out op writes (its first mutable tensor argument), or that a
+    module call writes (``WRITES``)."""
+    if node.op == "call_module":
+        written = node.meta.get(WRITES)
+        return node.args[written[0]] if written else None
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return None
@@ -175,7 +186,7 @@ def dead_code_elimination(graph: Graph) -> int:
     for node in reversed(list(graph.nodes)):
         if node.op in ("placeholder", "output") or node.users:
             continue
-        if node.op == "call_function" and (is_mutating(node) or node.target in SIDE_EFFECTS):
+        if is_mutating(node) or (node.op == "call_function" and node.target in SIDE_EFFECTS):
             continue
         if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload) \
                 and node.target is not operator.getitem:

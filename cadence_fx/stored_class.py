@@ -105,7 +105,8 @@ def _freeze_module(gm, state: Dict[int, str]) -> dict:
                 "mutated": list(child.mutated), "escaping": list(child.escaping)},
                 "module": _freeze_module(child.module, state)}
         elif isinstance(child, FusedRegion):   # verified again where it is loaded
-            children[name] = {"fused": {"ops": list(child.ops), "graph": child.graph},
+            children[name] = {"fused": {"ops": list(child.ops), "graph": child.graph,
+                                        "writes": list(child.writes)},
                               "module": _freeze_module(child.stock, state)}
         elif isinstance(child, torch.fx.GraphModule):
             children[name] = {"module": _freeze_module(child, state)}
@@ -198,7 +199,8 @@ def _thaw_module(cs, m: dict, state: Dict[str, torch.Tensor], label: str) -> Cod
         sub = _thaw_module(cs, child["module"], state, label)
         p = child.get("piece")
         if "fused" in child:
-            sub = FusedRegion(sub, name, child["fused"]["ops"], cs.counters, child["fused"]["graph"])
+            sub = FusedRegion(sub, name, child["fused"]["ops"], cs.counters, child["fused"]["graph"],
+                              writes=child["fused"]["writes"])
         elif p is not None:
             sub = GuardedPiece(sub, name, p["kind"], p["reasons"], p["fixed"], p["mutated"],
                                p["escaping"], cs.backend, cs.counters, strict=cs.strict,

@@ -30,7 +30,11 @@ dtype (tests/test_fuse_exact.py). What stays out, and why:
   Inductor folds into its users, which then meet the same fate (an integer or boolean fill read
   only by integer and boolean ops fuses: folding is exact there);
 * host-side work in a device step: it stays stock, and eager;
-* anything in place: its order against the carry's writes is the graph's.
+* anything in place: its order against the carry's writes is the graph's -- but for one write a
+  region may end on: a ``copy_`` of one of its values into a tensor outside it, at the same shape
+  and dtype (Moshi's state updates, ``offset.copy_(where(...))``). The region then writes that
+  tensor where the copy was, and the copy's kernel is gone; nothing else the region reads may
+  share the written storage (``region_writes.absorbed_write``).
 
 A region is a set of such nodes that can run as one at the place of its last node
 (``regions_in_order``: nothing outside reads its values before that, nothing is written in
@@ -54,8 +58,9 @@ from cadence_fx import fusion
 from cadence_fx.context import PassContext
 from cadence_fx.fusion import FusedRegion
 from cadence_fx.passes.cat_in_place import write_cats_in_place
+from cadence_fx.passes.region_writes import absorbed_write, functional_temporaries, write_target
 from cadence_fx.passes.epilogues import contiguous_norm_inputs, split_conv_bias
-from cadence_fx.fx_utils import aten, graph_module, is_mutating, step_device, subgraph, val
+from cadence_fx.fx_utils import WRITES, aten, graph_module, is_mutating, step_device, subgraph, val
 
 __all__ = ["fuse_exact", "EXACT_OPS", "VIEWS", "fusible", "is_kernel"]
 
@@ -252,6 +257,7 @@ def fuse_exact(gm: GraphModule, ctx: PassContext) -> PassResult:
         records["skipped"] = (f"fusion is for device steps ({', '.join(fusion.DEVICES)}); this step "
                               f"runs on {device}")
         return PassResult(gm, False)
+    records["inplace_made_functional"] = functional_temporaries(gm)
     records["cats_left"] = {}     # copies of a cat left as they were, by reason
     records["cats_in_place"] = write_cats_in_place(gm, device, records["cats_left"])
     records["conv_bias_split"] = split_conv_bias(gm, device)
@@ -261,18 +267,26 @@ def fuse_exact(gm: GraphModule, ctx: PassContext) -> PassResult:
     runs = regions_in_order(gm.graph, device)
     counters = getattr(ctx, "counters", None)
     made = 0
+    records["writes_absorbed"] = 0
     for run in runs:
-        while run and not is_kernel(run[-1]):    # a run ends on a kernel
+        while run and not _launches(run[-1]):    # a run ends on a kernel (or its write)
             run.pop()
-        kernels = [n for n in run if is_kernel(n)]
+        kernels = [n for n in run if _launches(n)]
         if len(kernels) < MIN_KERNELS:
             continue
         name = f"fused_{made}"
-        _replace(gm, run, name, counters)
+        writes = _replace(gm, run, name, counters)
         records["regions"].append({"name": name, "kernels": len(kernels),
-                                   "ops": sorted({n.target.__name__ for n in kernels})})
+                                   "ops": sorted({n.target.__name__ for n in kernels}),
+                                   "writes": writes})
+        records["writes_absorbed"] += writes
         made += 1
     return PassResult(gm, made > 0)
+
+
+def _launches(n: Node) -> bool:
+    """A kernel of the stock graph a region takes over: a fusible op, or the write it ends on."""
+    return is_kernel(n) or n.target is aten.copy_.default
 
 
 def regions_in_order(graph, device: Optional[str] = None) -> List[List[Node]]:
@@ -288,7 +302,7 @@ def regions_in_order(graph, device: Optional[str] = None) -> List[List[Node]]:
         # an output of an op with several (a view) joins only the region that holds the op: a
         # region's inputs are tensors
         outside_view = n.target is operator.getitem and n.args[0] not in members
-        if fusible(n, device) and not outside_view:
+        if fusible(n, device) and not outside_view and not write_target(n, VIEWS):
             if current is None:
                 current = []
                 regions.append(current)
@@ -296,6 +310,10 @@ def regions_in_order(graph, device: Optional[str] = None) -> List[List[Node]]:
             members.add(n)
             continue
         if n.op in ("placeholder", "get_attr"):
+            continue
+        if current is not None and absorbed_write(n, members, device, DTYPES):
+            current.append(n)     # the region writes its value where the copy was, and closes
+            current, members = None, set()
             continue
         pure = n.op == "call_function" and not is_mutating(n) and (
             isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem)
@@ -305,8 +323,12 @@ def regions_in_order(graph, device: Optional[str] = None) -> List[List[Node]]:
     return regions
 
 
-def _replace(gm: GraphModule, run: List[Node], name: str, counters) -> None:
+def _replace(gm: GraphModule, run: List[Node], name: str, counters) -> int:
+    """The run as one call of a ``FusedRegion``; returns how many writes it took over (0 or 1)."""
     members = set(run)
+    write = run[-1] if run[-1].target is aten.copy_.default else None
+    if write is not None:          # copy_ returns its destination: its readers read that
+        write.replace_all_uses_with(write.args[0])
     inputs: List[Node] = []
     for n in run:
         for a in n.all_input_nodes:
@@ -329,13 +351,16 @@ def _replace(gm: GraphModule, run: List[Node], name: str, counters) -> None:
         if n in used_after:
             output_of(n)
     stock = graph_module(torch.nn.Module(), subgraph(run, inputs, outputs), class_name=name)
-    gm.add_submodule(name, FusedRegion(stock, name, [str(n.target) for n in run
-                                                   if is_kernel(n)], counters))
+    writes = (inputs.index(write.args[0]),) if write is not None else ()
+    gm.add_submodule(name, FusedRegion(stock, name, [str(n.target) for n in run if _launches(n)],
+                                       counters, writes=writes))
     last = run[-1]
     outside: Dict[Node, Node] = {}
     with gm.graph.inserting_after(last):
         call = gm.graph.call_module(name, tuple(inputs))
     call.meta["val"] = tuple(val(o) for o in outputs)
+    if writes:
+        call.meta[WRITES] = writes
     cursor = call
     for k, o in enumerate(outputs):
         with gm.graph.inserting_after(cursor):
@@ -362,4 +387,5 @@ def _replace(gm: GraphModule, run: List[Node], name: str, counters) -> None:
                     u.replace_input_with(n, replacement)
     for n in reversed(run):
         gm.graph.erase_node(n)
+    return len(writes)
 

@@ -1,5 +1,5 @@
 """The exact rewrites ahead of fusion (the K/V cats written into the workspace in place, integer
-fills and clamps fused) and the fused regions on our own streaming decoder, driven as a server drives it: speakers primed mid-stream, a chunk retried,
+fills and clamps fused, the conv context's write taken over by its region) and the fused regions on our own streaming decoder, driven as a server drives it: speakers primed mid-stream, a chunk retried,
 a session set aside and resumed, a new mode, a restart from the compile cache. Every output and
 every state bit-exact against the stock decoder run through the same script."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from cadence_fx import fusion
 from cadence_fx.fusion import regions
 
 from streaming_conformer import one_thread  # noqa: F401 - autouse: one intra-op thread per file
-from streaming_decoder import CALL, CHUNK, DECODER_ADAPTER, chunks, clone, make_decoder, prompt
+from streaming_decoder import CALL, CHUNK, DECODER_ADAPTER, LAYERS, chunks, clone, make_decoder, prompt
 
 
 @pytest.fixture
@@ -24,14 +24,14 @@ def rewrites_on_cpu(monkeypatch):
     monkeypatch.setattr(fusion, "DEVICES", ("cuda", "cpu"))
 
 
-def script(step):
+def script(step, device="cpu"):
     """One server's traffic through ``step``; returns every output and state, cloned."""
     out = []
     xs = chunks([CHUNK, CHUNK, CALL, CHUNK, CHUNK, CALL], seed=7)
 
     def call(x, state, mode=torch.no_grad):
         with mode():
-            y, new = step(x, state)
+            y, new = step(x.to(device), state)
         out.append((y.clone(), clone(new)))
         return new
 
@@ -88,12 +88,36 @@ def test_the_rewrites_run_through_a_server_lifecycle_bit_exact(rewrites_on_cpu, 
                    for x in r["regions"]), r["regions"]
     assert k.fused_regions > 0 and all(r.state != "pending" for e in compiled.classes.values()
                                        for r in regions(e.gm))
+    # each layer's conv context (``conv_out.copy_(cat(...)[..., -2:])``) is written by its
+    # region, in every class; those regions ran fused
+    assert [r["writes_absorbed"] for r in records] == [LAYERS] * len(records)
+    writing = [g for e in compiled.classes.values() for g in regions(e.gm) if g.writes]
+    assert len(writing) == LAYERS * len(records) and {g.state for g in writing} == {"fused"}
     # a restart: every class loads from the cache, its regions verified again, bit-exact
     restarted = cadence_fx.compile(make_decoder(), DECODER_ADAPTER, cache_dir=tmp_path)
     assert _same(stock, script(restarted))
     r = restarted.counters
     assert r.traces == 0 and r.compiled_loads == len(restarted.classes) == len(compiled.classes)
     assert r.fallbacks == 0 and r.fused_regions == k.fused_regions
+    assert sorted(g.writes for e in restarted.classes.values() for g in regions(e.gm)
+                  if g.writes) == sorted(g.writes for g in writing)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_rewrites_run_through_a_server_lifecycle_on_the_device_in_graphs():
+    """The same traffic on the device: every class replays device graphs holding its fused
+    regions (the conv contexts written by theirs), bit-exact against the stock decoder there."""
+    stock = script(make_decoder().cuda(), "cuda")
+    compiled = cadence_fx.compile(make_decoder().cuda(), DECODER_ADAPTER)
+    assert _same(stock, script(compiled, "cuda"))
+    k = compiled.counters
+    assert k.fallbacks == 0 and k.compiled_calls == k.calls == len(stock) and k.replays > 0
+    records = _fusion_records(compiled)
+    assert [r["writes_absorbed"] for r in records] == [LAYERS] * len(records)
+    assert all(r["cats_left"] == {} for r in records)
+    found = [g for e in compiled.classes.values() for g in regions(e.gm)]
+    assert k.fused_regions == len(found) > 0 and k.fusions_refused == 0
 
 
 def test_without_the_rewrites_nothing_is_written_in_place(stock):
