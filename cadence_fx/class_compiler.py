@@ -8,6 +8,8 @@ reason (``strict`` raises instead).
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import logging
 import time
@@ -67,6 +69,8 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
     if traced is None:
         progress.note("%s: runs the stock step (%s)", label, cs._rejected.get(key, "not traced"))
         return None
+    if cs.backend is None:
+        cs.backend = choose_backend(cs, named)
     probe_start = time.perf_counter()
     reason = probe_effects(cs, traced, named)
     probe_s = time.perf_counter() - probe_start
@@ -79,8 +83,6 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
         _store_trace(cs, key)
         progress.note("%s: runs the stock step (%s)", label, reason)
         return None
-    if cs.backend is None:
-        cs.backend = choose_backend(cs, named)
     gm = traced.gm
     inputs = list(traced.inputs)
     bindings = _bind_regions(cs, traced)
@@ -282,7 +284,9 @@ def _bind_regions(cs, traced: TracedStep) -> List[RegionBinding]:
 
 def probe_effects(cs, traced: TracedStep, named) -> Optional[str]:
     """The probationary eager call (§3.4 (iii)): run the stock step once, watching every
-    generator, then put back generators and everything the step writes."""
+    generator, then put back generators and everything the step writes. On the backend's side
+    stream, where the warm-ups and captures run: a second stream would hold BLAS workspaces of
+    its own for the life of the process."""
     leaves = dict(leaves_with_paths(named)[0])
     written = [cs._buffers[s.name] if s.kind == "buffer" else leaves[s.name]
                for s in written_inputs(traced.gm, traced.inputs) if s.kind in ("buffer", "arg")]
@@ -290,7 +294,7 @@ def probe_effects(cs, traced: TracedStep, named) -> Optional[str]:
     written += mutated_attributes(traced.gm)  # module state in plain tensor attributes
     state, rng = TensorSnapshot(written), RngSnapshot()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), getattr(cs.backend, "side_stream", contextlib.nullcontext)():
             cs._fn(**named)
     finally:
         effects = rng.effects()

@@ -25,6 +25,7 @@ reason.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -151,6 +152,19 @@ class CudaGraphBackend:
             self._side = torch.cuda.Stream()
         return self._side
 
+    @contextlib.contextmanager
+    def side_stream(self):
+        """Eager work of the compile (the probationary call, warm-ups) on the side stream the
+        captures use, ordered after and before the current stream's work: the BLAS libraries'
+        workspaces are made for one stream only."""
+        side, current = self._stream(), torch.cuda.current_stream()
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                yield
+        finally:
+            current.wait_stream(side)
+
     def _capture(self, piece, static):
         """Record the piece into the shared pool; nothing runs, so nothing is written."""
         graph, rng = torch.cuda.CUDAGraph(), RngSnapshot()
@@ -176,11 +190,8 @@ class CudaGraphBackend:
         else:
             self.warmups += 1
         try:
-            side = self._stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.no_grad():
+            with self.side_stream(), torch.no_grad():
                 piece.module(*args)
-            torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - the piece stays eager, with the reason
             return f"warm-up failed: {type(e).__name__}: {e}"

@@ -7,6 +7,8 @@ lowering time with the call: tensor signatures, and the addresses of fixed-addre
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 from typing import Callable, Optional, Sequence, Tuple
 
@@ -26,6 +28,9 @@ class EagerBackend:
 
     def lower(self, piece: "GuardedPiece", args) -> Tuple[Optional[Callable], Optional[str]]:
         return None, None
+
+    def side_stream(self):
+        return contextlib.nullcontext()
 
 
 class GuardedPiece(torch.nn.Module):
