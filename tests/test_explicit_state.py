@@ -154,3 +154,12 @@ def test_a_ring_of_negative_zeros_keeps_its_sign():
     step = _Step([-0.0, 0, 0])
     kv = step.initial_state()["kv"]
     assert torch.signbit(kv[0]).all() and not torch.signbit(kv[1:]).any()
+
+
+def test_zero_bits_are_read_through_the_storage():
+    """+0 only: -0.0 and NaN are not zeros; integers and booleans by value."""
+    z = ES._zero_bits
+    assert z(torch.zeros(3, dtype=torch.bfloat16)) and z(torch.zeros(2, 3)) and z(torch.zeros(4, dtype=torch.long))
+    assert not z(torch.tensor([0.0, -0.0])) and not z(torch.tensor([float("nan")], dtype=torch.bfloat16))
+    assert not z(torch.tensor([False, True])) and z(torch.zeros(2, 3).t())    # a strided view too
+

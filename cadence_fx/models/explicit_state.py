@@ -52,9 +52,16 @@ def _slots(roots: Dict[str, nn.Module], stacks: Dict[str, str]) -> Iterator[_Slo
                     yield _Slot(f"{path}:kv_cache.end_offset", value, "end_offset")
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _zero_bits(t: torch.Tensor) -> bool:
-    """Every element is +0 (a -0.0 is not: made again as zeros it would lose its sign)."""
-    return not t.any() and not (t.is_floating_point() and torch.signbit(t).any())
+    """Every element's bits are zero: +0, not -0.0 (made again as zeros it would lose its sign)
+    nor a NaN. Read through an integer view of the same storage: a reduction with no temporary
+    the size of ``t`` (the 7B LM's stacked rings are 1.6 GB)."""
+    if t.is_floating_point():
+        t = t.view(_SAME_SIZE_INT[t.element_size()])
+    return not t.any()
 
 
 @dataclasses.dataclass(frozen=True)
