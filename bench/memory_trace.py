@@ -29,7 +29,7 @@ def _site(frames: List[dict], depth: int = 6) -> str:
 
 
 class Recorder:
-    def __init__(self, max_entries: int = 2_000_000, min_bytes: int = 1 << 18):
+    def __init__(self, max_entries: int = 2_000_000, min_bytes: int = 1 << 16):
         self.max_entries, self.min_bytes = max_entries, min_bytes
         self.snapshot = None
 
