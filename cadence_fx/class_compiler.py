@@ -9,7 +9,6 @@ reason (``strict`` raises instead).
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import logging
 import time

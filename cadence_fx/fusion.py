@@ -181,9 +181,9 @@ class FusedRegion(torch.nn.Module):
             fused, failed = None, f"compile failed: {_first_line(e)}"
         _put(written, before)
         expected = self.stock(*args)
-        if failed is None and self.writes and self._written_shared(args) is not None:
-            failed = (f"input {self.writes[0]}, which it writes, shares storage with input "
-                      f"{self._written_shared(args)}")
+        shared = self._written_shared(args) if self.writes else None
+        if failed is None and shared is not None:
+            failed = f"input {self.writes[0]}, which it writes, shares storage with input {shared}"
         if failed is not None:
             return self._refuse(failed, expected)
         after = [w.clone() for w in written]

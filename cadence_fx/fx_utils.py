@@ -15,8 +15,8 @@ except ImportError:  # pragma: no cover - every GraphModule generates its code w
     _LazyGraphModule = None
     _use_lazy_graph_module = None
 
-__all__ = ["aten", "CATS", "VIEW_OPS", "WRITES", "is_mutating", "mutated_arg", "view_chain", "slice_bounds",
-           "attr_value",
+__all__ = ["aten", "CATS", "VIEW_OPS", "WRITES", "is_mutating", "mutated_arg", "view_chain",
+           "slice_bounds", "attr_value",
            "val", "dead_code_elimination", "SIDE_EFFECTS", "storage_key", "returns_self",
            "mutated_attributes", "written_bases", "graph_module", "code_deferred",
            "generate_code", "step_device", "subgraph"]
