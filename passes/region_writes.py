@@ -60,15 +60,31 @@ def functional_temporaries(gm: GraphModule) -> int:
         with gm.graph.inserting_before(n):
             z = gm.graph.call_function(FUNCTIONAL[n.target], n.args, dict(n.kwargs))
         z.meta = dict(n.meta)
-        z.meta["val"] = fresh           # a storage of its own (its aliases are found by walking)
+        z.meta["val"] = fresh           # a storage of its own, and its aliases' (below)
         order[z] = order[n] - 0.5
         for u in list(t.users):         # readers after the write read the new value
             if u is not n and order[u] > order[n]:
                 u.replace_input_with(t, z)
         n.replace_all_uses_with(z)
         gm.graph.erase_node(n)
+        _retrace_aliases(z, order)
         made += 1
     return made
+
+
+def _retrace_aliases(z: Node, order) -> None:
+    """The fake values of the views and in-place results now made from ``z``, made again from
+    ``z``'s: they share its storage, as the later passes' aliasing checks must see."""
+    mode = val(z).fake_mode
+    for a in sorted(_aliases(z), key=order.__getitem__):
+        if a.target is operator.getitem:
+            a.meta["val"] = a.args[0].meta["val"][a.args[1]]
+        elif is_mutating(a):              # an in-place result is its first argument
+            a.meta["val"] = a.args[0].meta["val"]
+        else:
+            args, kwargs = torch.fx.node.map_arg((a.args, a.kwargs), lambda m: m.meta["val"])
+            with mode:
+                a.meta["val"] = a.target(*args, **kwargs)
 
 
 def _temporary(t, n: Node, order, sharing) -> bool:

@@ -204,3 +204,25 @@ def test_in_place_arithmetic_that_others_can_see_stays_in_place(fuse_on_cpu):
         for _ in range(2):
             assert torch.equal(gm(x, a)[0], f(x, b)[0]) and torch.equal(a, b), f.__name__
 
+
+
+def test_views_of_a_value_made_functional_alias_it_for_the_passes_after(fuse_on_cpu):
+    """A view made after the write views the new value: the passes that follow must see that
+    it shares the new value's storage, or ``cat_in_place`` moves the view's copy past the
+    ``clamp_`` that writes it."""
+    def f(x, a, b, buf):
+        t = torch.zeros(2, 3)
+        t.add_(x)
+        p = t.view(2, 3)
+        c1 = torch.cat([p, a], 0)
+        t.clamp_(min=0)                  # writes p's storage after the first cat
+        buf.copy_(torch.cat([c1, b], 0))
+        return x + 0.5,
+
+    x, a, b = torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)
+    gm, _ = _fused_graph(f, x, a, b, torch.zeros(6, 3))
+    assert _inplace(gm) == []            # the add_ was made functional; the clamp_ stays
+    mine, theirs = torch.zeros(6, 3), torch.zeros(6, 3)
+    for _ in range(2):
+        assert torch.equal(gm(x, a, b, mine)[0], f(x, a, b, theirs)[0])
+        assert torch.equal(mine, theirs)
