@@ -15,10 +15,12 @@ the regions are made). Case handled -- the per-step offsets of Moshi's depformer
 ``x.add_(y)`` computes ``add(x, y)`` with the same kernel and writes it over ``x``; when nothing
 but the ops that follow can see ``x`` -- a tensor the graph made, no view or in-place result of
 it made before the write and read after it, no other value in its storage -- the write is not
-observable, and every reader after it reads the new value instead. Exact by construction: the same ATen op computes the same values; only where
-they are stored changes. Needs ``meta["val"]`` (the traced storages). Left alone: a write into an
-input, module state or a view; a temporary something else aliases; an op whose functional form
-would give another dtype (``bf16.add_(fp32)`` rounds to bf16, ``add`` would not).
+observable, and every reader after it reads the new value instead. Exact by construction: the
+same ATen op computes the same values; only where they are stored changes. Needs
+``meta["val"]`` (the traced storages); the views made from the new value get fake values in its
+storage, so the passes after see them alias it. Left alone: a write into an input, module state
+or a view; a temporary something else aliases; an op whose functional form would give another
+dtype (``bf16.add_(fp32)`` rounds to bf16, ``add`` would not).
 """
 from __future__ import annotations
 
