@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import progress, stored_class
+from . import fusion, progress, stored_class
 from .context import PassContext, RegionBinding
 from .contract import Adapter
 from .effects import RngSnapshot, TensorSnapshot
@@ -102,6 +102,7 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
         _store_trace(cs, key)
         progress.note("%s: runs the stock step (%s)", label, e)
         return None
+    fusion.resolve_regions(gm, getattr(cs, "kernel_store", None))   # verdicts stored by an earlier process
     # Buffers the rewritten step still writes get a private copy: the user's module is never
     # written by the compiled path (envelopes replaced by carries are gone by now).
     newly_replaced = written_before - {spec.name for spec in ctx.inputs if spec.kind == "buffer"}

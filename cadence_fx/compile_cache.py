@@ -24,9 +24,12 @@ Layout::
 
 The step key hashes everything that can change a trace but the signature: the step's source and
 every module class's, the files they are defined in (so the helpers beside them count) and the
-installed versions of their packages, the adapter (all fields), parameter and buffer names, shapes and dtypes (not
-their values: new weights reuse the cache), the pass options, torch's and cadence_fx's versions,
-and the GPU (name, capability) and cuDNN build the weights live on: the passes choose by them.
+installed versions of their packages, the adapter (all fields), parameter and buffer names,
+shapes and dtypes (not their values: new weights reuse the cache), the pass options, torch's and
+cadence_fx's versions and the source of every cadence_fx module, pass and adapter
+(``region_kernels.compiler_digest``: an edited pass compiles again), and the GPU (name,
+capability) and cuDNN build the weights live on: the passes choose by them. Fused regions' code
+and verdicts are entries of their own, shared by the steps (``region_kernels.py``).
 The class key hashes the signature class (shapes, strides, dtypes, devices, argument structure,
 grad and inference modes). The header repeats both keys in full and the payload's SHA-256: an
 entry whose keys differ (a foreign file), whose digest does not match (a truncated or corrupt
@@ -54,6 +57,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.utils._pytree as pytree
 
+from .region_kernels import compiler_digest
 from .stored_class import attributes
 from .tracing import TracedStep, module_state_tensors
 
@@ -125,6 +129,9 @@ class CompileCache:
                               key=lambda t: f"{t.__module__}.{t.__qualname__}")
         parts = {
             "format": FORMAT, "cadence_fx": cadence_fx.__version__, "torch": torch.__version__,
+            # the passes' and the runtime's source, not only the version: an edited pass never
+            # reuses what the old one compiled
+            "compiler": compiler_digest(),
             "step": _source(fn), "modules": [_source(t) for t in module_types],
             # helpers the step calls live beside it: every file defining the step or a module
             # class, and the installed version of each package they come from
@@ -299,7 +306,9 @@ def entries(root=None) -> List[Dict]:
     """One row per cached step: model, step, adapter, classes, bytes, created, where."""
     root = Path(root) if root is not None else default_dir()
     rows = []
-    for d in sorted(p for p in root.glob("*") if p.is_dir()) if root.is_dir() else []:
+    steps = sorted(p for p in root.glob("*") if p.is_dir() and p.name != "kernels") \
+        if root.is_dir() else []
+    for d in steps:
         try:
             meta = json.loads((d / "meta.json").read_text())
         except (OSError, ValueError):
@@ -310,6 +319,12 @@ def entries(root=None) -> List[Dict]:
                      "bytes": sum(p.stat().st_size for p in d.iterdir() if p.is_file()),
                      "created": meta.get("created", "?"), "torch": meta.get("torch", "?"),
                      "path": str(d)})
+    kernels = root / "kernels"
+    if kernels.is_dir():   # fused regions' code and verdicts, shared by the steps above
+        files = list(kernels.glob("*.kernel"))
+        rows.append({"model": "(fused-region kernels)", "step": "-", "adapter": "-",
+                     "classes": len(files), "bytes": sum(f.stat().st_size for f in files),
+                     "created": "-", "torch": torch.__version__, "path": str(kernels)})
     return rows
 
 
@@ -319,4 +334,4 @@ def clear(root=None) -> int:
     rows = entries(root)
     for row in rows:
         shutil.rmtree(row["path"], ignore_errors=True)
-    return len(rows)
+    return sum(not row["path"].endswith("kernels") for row in rows)

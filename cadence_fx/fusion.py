@@ -20,6 +20,12 @@ States of a region: pending -> fused (verified) or stock (with the reason).
 * Verification syncs with the host, so it may not happen under capture: the device-graph backend
   runs a piece whose regions are pending once eagerly first (as its warm-up runs a piece: side
   stream, everything the piece writes put back), and captures the fused kernels after that.
+* With a compile cache (``region_kernels.py``), each verdict is stored with the compiled code,
+  once per kernel key (the region's ops, its inputs' layout, the numerics, the compiler's source
+  and the machine). A region made again in a later process -- a warm start -- takes both from
+  there before its first call (``resolve``): it is fused or stock without compiling, verifying or
+  an eager run before its capture. It checks its inputs' layout on its first fused call; a layout
+  other than the one its key was made for sends it back to pending (verified on those inputs).
 * ``compile_region`` is the compiler; tests swap it to see a region refused.
 """
 from __future__ import annotations
@@ -30,7 +36,10 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-__all__ = ["DEVICES", "FusedRegion", "NUMERICS", "compile_region", "pending_regions", "regions"]
+from . import region_kernels
+
+__all__ = ["DEVICES", "FusedRegion", "NUMERICS", "compile_region", "input_layout", "pending_regions",
+           "regions", "resolve_regions"]
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +77,6 @@ def compile_region(module, args: Sequence, graph: Optional[tuple] = None) -> Cal
     layout -- the next layer's, the next Euler step's -- shares the code compiled first in this
     process. ``module`` may be a region loaded from the compile cache as code: it is traced
     again only when no region like it was compiled yet."""
-    import torch._inductor
-    import torch._inductor.config as config
     layout = layout_key(args)
     if graph is None or (graph, layout) not in _COMPILED:
         if not isinstance(module, torch.fx.GraphModule):
@@ -78,8 +85,7 @@ def compile_region(module, args: Sequence, graph: Optional[tuple] = None) -> Cal
         graph = graph_key(module)
     key = (graph, layout)
     if key not in _COMPILED:
-        with config.patch(_numerics()), torch.no_grad():
-            _COMPILED[key] = torch._inductor.compile(inductor_form(module), list(args))
+        _COMPILED[key] = region_kernels.compile_artifact(inductor_form(module), args, _numerics())
     return _COMPILED[key]
 
 
@@ -126,19 +132,37 @@ def graph_key(module: torch.fx.GraphModule) -> tuple:
 def layout_key(args: Sequence) -> tuple:
     """The inputs' layout as Inductor's code assumes it (alignment included), and the modes the
     region was compiled under: Inductor traces it again under the autocast state of the call."""
-    modes = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cuda", "cpu"))
-    return modes + tuple((tuple(a.shape), a.stride(), a.dtype, str(a.device), a.data_ptr() % 16)
-                         if isinstance(a, torch.Tensor) else ("value", repr(a)) for a in args)
+    return _modes() + input_layout(args)
+
+
+def _modes() -> tuple:
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cuda", "cpu"))
+
+
+def input_layout(values: Sequence) -> tuple:
+    """Each input's shape, strides, dtype, device and 16-byte alignment; of fake values (the
+    trace's) too, whose alignment is their storage offset's (the allocator aligns every base)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return tuple((tuple(a.shape), a.stride(), a.dtype, str(a.device),
+                  (a.storage_offset() * a.element_size()) % 16 if isinstance(a, FakeTensor)
+                  else a.data_ptr() % 16)
+                 if isinstance(a, torch.Tensor) else ("value", repr(a)) for a in values)
 
 
 class FusedRegion(torch.nn.Module):
     """One run of pointwise ops: ``stock`` is its graph (the stock kernels), ``ops`` what it holds,
-    ``writes`` the positions of the inputs it writes in place (its last op a copy into one)."""
+    ``writes`` the positions of the inputs it writes in place (its last op a copy into one),
+    ``layout`` its inputs' layout as traced (``input_layout``; the kernel key of a stored verdict)."""
 
     def __init__(self, stock: torch.fx.GraphModule, name: str, ops: Sequence[str], counters=None,
-                 graph: Optional[tuple] = None, writes: Sequence[int] = ()):
+                 graph: Optional[tuple] = None, writes: Sequence[int] = (),
+                 layout: Optional[tuple] = None):
         super().__init__()
         self.writes = tuple(writes)
+        self.layout = layout
+        self.store: Optional[region_kernels.KernelStore] = None   # where verdicts are kept
+        self.loaded = False               # fused or stock by a stored verdict, not verified here
+        self._checked = True              # a loaded kernel's inputs were seen at its layout
         self.stock = stock
         # ``graph_key`` of the stock graph (a region loaded as code has no graph of its own)
         self.graph = graph if graph is not None or not isinstance(stock, torch.fx.GraphModule) \
@@ -151,6 +175,12 @@ class FusedRegion(torch.nn.Module):
         self._fused: Optional[Callable] = None
 
     def forward(self, *args):
+        if not self._checked:
+            self._checked = True
+            if layout_key(args) != _modes() + self.layout:   # not what its key was made for
+                log.info("%s: inputs at another layout than its stored kernel's; verified again",
+                         self.region_name)
+                self._unload()
         if self.state == "fused" and not (self.writes and self._written_shared(args) is not None):
             return self._fused(*args)
         if self.state != "pending":
@@ -165,6 +195,48 @@ class FusedRegion(torch.nn.Module):
                 if j != k and isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == mine:
                     return j
         return None
+
+    def resolve(self, store: Optional[region_kernels.KernelStore]) -> None:
+        """Keep verdicts in ``store``, and take this region's from there if it has one: fused
+        with the stored code, or stock with the stored reason, before any call."""
+        self.store = store
+        if store is None or self.layout is None or self.graph is None or self.state != "pending" \
+                or region_kernels.recheck():
+            return
+        found = store.get(self._key(_modes() + self.layout))
+        if found is None:
+            return
+        self.loaded, self._checked = True, False
+        if self.counters is not None:
+            self.counters.fusions_loaded += 1
+        if found.verdict == "fused":
+            self._fused, self.state = found.fn, "fused"
+            if self.counters is not None:
+                self.counters.fused_regions += 1
+        else:
+            self._refuse(found.reason, None)
+
+    def _unload(self) -> None:
+        if self.counters is not None:
+            self.counters.fusions_loaded -= 1
+            if self.state == "fused":
+                self.counters.fused_regions -= 1
+            else:
+                self.counters.fusions_refused -= 1
+        self.state, self.reason, self._fused, self.loaded = "pending", None, None, False
+
+    def _key(self, layout: tuple) -> str:
+        return region_kernels.kernel_key(self.graph, layout, _numerics())
+
+    def _keep(self, args, verdict: str, reason: Optional[str], fused) -> None:
+        """Store this region's verdict (a key already stored fused is rewritten only by a
+        refusal: one region refused makes every region with its key run stock)."""
+        if self.store is None or self.graph is None:
+            return
+        key = self._key(layout_key(args))
+        known = self.store.known(key)
+        if known is None or (known == "fused" and verdict == "stock"):
+            self.store.put(key, verdict, reason, fused)
 
     def verify(self, args) -> tuple:
         """Compile, run both forms on ``args``, admit the fused one only if every output, and
@@ -199,8 +271,10 @@ class FusedRegion(torch.nn.Module):
         reason = _difference(expected, got) or _written_difference(after, written)
         if reason:
             _put(written, after)
+            self._keep(args, "stock", reason, None)
             return self._refuse(reason, expected)
         self._fused, self.state = fused, "fused"
+        self._keep(args, "fused", None, fused)
         if self.counters is not None:
             self.counters.fused_regions += 1
         log.debug("%s fused: %d ops", self.region_name, len(self.ops))
@@ -215,6 +289,7 @@ class FusedRegion(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.region_name}: {len(self.ops)} ops, {self.state}" + (
+            " (stored verdict)" if self.loaded else "") + (
             f", writes input {self.writes[0]}" if self.writes else "") + (
             f" ({self.reason})" if self.reason else "")
 
@@ -271,3 +346,10 @@ def regions(module) -> List[FusedRegion]:
 
 def pending_regions(module: torch.nn.Module) -> bool:
     return any(r.state == "pending" for r in regions(module))
+
+
+def resolve_regions(module, store: Optional[region_kernels.KernelStore]) -> None:
+    """Every fused region of ``module`` keeps its verdicts in ``store`` and takes the stored ones
+    (``FusedRegion.resolve``)."""
+    for r in regions(module):
+        r.resolve(store)

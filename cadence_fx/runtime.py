@@ -34,6 +34,7 @@ from .counters import Counters
 from .envelopes import Envelopes
 from .errors import GuardError
 from .pipeline import Options, build_pipeline
+from .region_kernels import KernelStore
 from .signature import global_signature, tensor_signature
 from .tracing import InputSpec, bind_arguments, leaves_with_paths, module_state_tensors
 
@@ -83,6 +84,8 @@ class CompiledStep:
         self._pipeline = build_pipeline(options)
         self._fn = step.forward if isinstance(step, torch.nn.Module) else step
         self.compile_cache = None if cache_dir is None else CompileCache(cache_dir, self)
+        # fused regions' compiled code and verdicts, shared by every step under one directory
+        self.kernel_store = None if cache_dir is None else KernelStore.at(cache_dir)
         self._arguments = inspect.signature(self._fn)  # bound on every call: inspect it once
         check_paths(self.adapter, self._arguments)
         # tensor attributes the adapter declares constant (e.g. HiFT's ``stft_window``)

@@ -15,8 +15,9 @@ process). What is kept, per class (``freeze``), and rebuilt by ``thaw``:
   to the live tensor on load (so writes reach the module and new values are read);
 * per piece, the facts the lowering pass derived from fake tensors: its kind and reasons, which
   inputs are fixed-address and whose, which it writes, which outputs leave the step;
-* per fused region, its stock code and ops; it is compiled and verified again in the process that
-  loads it (Inductor's own cache makes the compile a lookup), as at its first compile;
+* per fused region, its stock code, ops and input layout; its compiled code and verdict are
+  entries of their own (``region_kernels.py``), shared by every region with the same kernel
+  key, and a loaded region takes them from there (compiled and verified again only without one);
 * the class's input specs, result structure, records, region outputs, the carries it allocates
   (a priming pass), the buffers its graph writes (private copies) and the envelopes it replaces.
 
@@ -106,7 +107,7 @@ def _freeze_module(gm, state: Dict[int, str]) -> dict:
                 "module": _freeze_module(child.module, state)}
         elif isinstance(child, FusedRegion):   # verified again where it is loaded
             children[name] = {"fused": {"ops": list(child.ops), "graph": child.graph,
-                                        "writes": list(child.writes)},
+                                        "writes": list(child.writes), "layout": child.layout},
                               "module": _freeze_module(child.stock, state)}
         elif isinstance(child, torch.fx.GraphModule):
             children[name] = {"module": _freeze_module(child, state)}
@@ -200,7 +201,8 @@ def _thaw_module(cs, m: dict, state: Dict[str, torch.Tensor], label: str) -> Cod
         p = child.get("piece")
         if "fused" in child:
             sub = FusedRegion(sub, name, child["fused"]["ops"], cs.counters, child["fused"]["graph"],
-                              writes=child["fused"]["writes"])
+                              writes=child["fused"]["writes"], layout=child["fused"].get("layout"))
+            sub.resolve(getattr(cs, "kernel_store", None))
         elif p is not None:
             sub = GuardedPiece(sub, name, p["kind"], p["reasons"], p["fixed"], p["mutated"],
                                p["escaping"], cs.backend, cs.counters, strict=cs.strict,

@@ -352,8 +352,10 @@ def _replace(gm: GraphModule, run: List[Node], name: str, counters) -> int:
             output_of(n)
     stock = graph_module(torch.nn.Module(), subgraph(run, inputs, outputs), class_name=name)
     writes = (inputs.index(write.args[0]),) if write is not None else ()
+    values = [val(a) for a in inputs]
+    layout = fusion.input_layout(values) if all(isinstance(v, torch.Tensor) for v in values) else None
     gm.add_submodule(name, FusedRegion(stock, name, [str(n.target) for n in run if _launches(n)],
-                                       counters, writes=writes))
+                                       counters, writes=writes, layout=layout))
     last = run[-1]
     outside: Dict[Node, Node] = {}
     with gm.graph.inserting_after(last):

@@ -69,7 +69,20 @@ def _fusion_records(compiled):
     return [e.records["fusion"] for e in compiled.classes.values()]
 
 
-def test_the_rewrites_run_through_a_server_lifecycle_bit_exact(rewrites_on_cpu, stock, tmp_path):
+def fresh_process(monkeypatch):
+    """What a restarted process starts with: no compiled region in memory, no open kernel
+    store, and no compiler (a region compiled or verified again fails the test)."""
+    from cadence_fx.region_kernels import KernelStore
+
+    def no_compiler(module, args, graph=None):
+        raise AssertionError("a region loaded from the compile cache was compiled again")
+    monkeypatch.setattr(fusion, "_COMPILED", {})
+    monkeypatch.setattr(KernelStore, "_open", {})
+    monkeypatch.setattr(fusion, "compile_region", no_compiler)
+
+
+def test_the_rewrites_run_through_a_server_lifecycle_bit_exact(rewrites_on_cpu, stock, tmp_path,
+                                                              monkeypatch):
     compiled = cadence_fx.compile(make_decoder(), DECODER_ADAPTER, cache_dir=tmp_path)
     assert _same(stock, script(compiled))
     k = compiled.counters
@@ -93,12 +106,17 @@ def test_the_rewrites_run_through_a_server_lifecycle_bit_exact(rewrites_on_cpu, 
     assert [r["writes_absorbed"] for r in records] == [LAYERS] * len(records)
     writing = [g for e in compiled.classes.values() for g in regions(e.gm) if g.writes]
     assert len(writing) == LAYERS * len(records) and {g.state for g in writing} == {"fused"}
-    # a restart: every class loads from the cache, its regions verified again, bit-exact
+    # a restart: every class loads from the cache, and every region its compiled code and its
+    # verdict (nothing compiled or verified again: the compiler is gone), bit-exact
+    assert len(list((tmp_path / "kernels").glob("*.kernel"))) > 0
+    fresh_process(monkeypatch)
     restarted = cadence_fx.compile(make_decoder(), DECODER_ADAPTER, cache_dir=tmp_path)
     assert _same(stock, script(restarted))
     r = restarted.counters
     assert r.traces == 0 and r.compiled_loads == len(restarted.classes) == len(compiled.classes)
     assert r.fallbacks == 0 and r.fused_regions == k.fused_regions
+    assert r.fusions_loaded == r.fused_regions + r.fusions_refused > 0
+    assert all(g.loaded for e in restarted.classes.values() for g in regions(e.gm))
     assert sorted(g.writes for e in restarted.classes.values() for g in regions(e.gm)
                   if g.writes) == sorted(g.writes for g in writing)
 
