@@ -182,8 +182,11 @@ def _load_compiled(cs, key, named, replaced: set, label: str) -> Optional[ClassE
     cs.classes[key] = entry
     cs.counters.cache_loads += 1
     cs.counters.compiled_loads += 1
-    progress.note("%s: loaded compiled from the compile cache (%d nodes traced when stored)",
-                  label, entry.traced_nodes)
+    found = fusion.regions(entry.gm)
+    progress.note("%s: loaded compiled from the compile cache in %.2f s (%d nodes traced when "
+                  "stored; %d of %d fused regions' code and verdicts loaded)", label,
+                  entry.records["load_s"], entry.traced_nodes, sum(r.loaded for r in found),
+                  len(found))
     return entry
 
 

@@ -179,9 +179,19 @@ def thaw(cs, payload: dict, label: str) -> dict:
                 retentions=payload["retentions"], traced_nodes=payload["traced_nodes"])
 
 
+_IMPORTED: Dict[str, dict] = {}   # import block -> the globals it makes (thousands of regions share a few)
+
+
+def _globals(imports: str) -> dict:
+    if imports not in _IMPORTED:
+        g: dict = {}
+        exec(compile(imports, "<cadence_fx imports>", "exec"), g)  # noqa: S102 - torch's import block
+        _IMPORTED[imports] = g
+    return dict(_IMPORTED[imports])
+
+
 def _thaw_module(cs, m: dict, state: Dict[str, torch.Tensor], label: str) -> CodeModule:
-    g: dict = {}
-    exec(compile(m["imports"], "<cadence_fx imports>", "exec"), g)  # noqa: S102 - torch's import block
+    g = _globals(m["imports"])
     filename = f"<cadence_fx cache: {label} {m['name']}>"
     if m["magic"] == MAGIC:
         code = marshal.loads(m["bytecode"]).replace(co_filename=filename)
