@@ -230,3 +230,23 @@ def test_recheck_verifies_every_region_again(fuse_on_cpu, stock, tmp_path, monke
     assert _same(stock, script(again))
     k = again.counters
     assert k.fusions_loaded == 0 and k.fused_regions == cold.counters.fused_regions
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_restart_on_the_device_captures_with_the_stored_kernels(tmp_path, monkeypatch):
+    """On the device: the restarted decoder's regions are Triton kernels loaded from the cache,
+    captured in its classes' graphs with no verification run before, replayed bit-exact."""
+    monkeypatch.setattr(fusion, "_COMPILED", {})
+    monkeypatch.setattr(KernelStore, "_open", {})
+    stock = script(make_decoder().cuda(), "cuda")
+    cold = cadence_fx.compile(make_decoder().cuda(), DECODER_ADAPTER, cache_dir=tmp_path)
+    assert _same(stock, script(cold, "cuda"))
+    assert cold.counters.fused_regions > 0 and cold.backend.verifications > 0
+    fresh_process(monkeypatch)
+    warm = cadence_fx.compile(make_decoder().cuda(), DECODER_ADAPTER, cache_dir=tmp_path)
+    assert _same(stock, script(warm, "cuda"))
+    k = warm.counters
+    assert k.traces == 0 and k.fallbacks == 0 and k.replays > 0
+    assert k.fusions_loaded == k.fused_regions == cold.counters.fused_regions
+    assert warm.backend.verifications == 0 and warm.backend.captured > 0
