@@ -12,8 +12,9 @@ once; the caller's tensor is never written. From then on the step's state *is* `
 """
 from __future__ import annotations
 
+import difflib
 import logging
-from typing import Dict, Optional
+from typing import Dict, Iterable, Optional
 
 import torch
 
@@ -23,7 +24,7 @@ from .contract import Adapter, Region
 from .counters import Counters
 from .errors import ContractError, GuardError
 
-__all__ = ["Admission", "check_paths"]
+__all__ = ["Admission", "check_paths", "check_envelopes"]
 
 log = logging.getLogger(__name__)
 
@@ -247,3 +248,26 @@ def _registered_fitting(names) -> list:
         if heads <= set(names):
             fitting.append(name)
     return fitting
+
+
+def check_envelopes(adapter: Adapter, buffer_names: Iterable[str]) -> None:
+    """Every region's ``envelope`` must name a buffer of the step's module, by its full dotted
+    name or its last component (``att_cache_buffer`` for ``flow.decoder.att_cache_buffer``).
+    A name that matches none would leave the envelope's memory held and its stock readers
+    unguarded without a word: refused at compile time, with the module's buffers listed."""
+    names = list(dict.fromkeys(buffer_names))
+    tails = {n.rsplit(".", 1)[-1] for n in names} | set(names)
+    for r in adapter.regions:
+        if r.envelope is None or r.envelope in tails:
+            continue
+        shown = names[:_LISTED] + ([f"... {len(names) - _LISTED} more"] if len(names) > _LISTED else [])
+        close = difflib.get_close_matches(r.envelope, sorted(tails), n=1)
+        raise ContractError(
+            f"region {r.name!r} of adapter {adapter.name!r} names the envelope {r.envelope!r}, "
+            f"but the step's module has no buffer of that name (its buffers: "
+            f"{', '.join(shown) or 'none'}); "
+            + (f"did you mean {close[0]!r}? " if close else "")
+            + "fix `envelope` to name the buffer the stock code over-reserves, or leave it out")
+
+
+_LISTED = 24   # buffers named in that error; a large model lists the first ones and a count

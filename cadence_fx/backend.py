@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import re
 import weakref
 from typing import Dict, List, Optional
 
@@ -40,6 +41,10 @@ _STEPS: List[weakref.ref] = []   # every step the backend compiled, for report()
 log = logging.getLogger(__name__)
 
 
+# ``L['self']._modules['flow']._buffers['att_cache_buffer']`` -> flow, att_cache_buffer
+_SOURCE_KEY = re.compile(r"\._(?:modules|buffers)\['([^']+)'\]")
+
+
 def _source_name(path: str) -> str:
     keys = "".join(f"[{int(k)}]" if k.isdigit() else f"[{k!r}]" for k in path.split("."))
     return f"L{keys}"
@@ -53,6 +58,7 @@ class _DynamoStep(torch.nn.Module):
         self.gm = gm
         self.order: List[str] = []
         self.args: List[str] = []
+        self.stock_buffer_names: List[str] = []   # the lifted buffers' names in the user's model
         for node, value in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
             source = node.meta.get("grapharg")
             source = source.source.name if source is not None else ""
@@ -62,6 +68,7 @@ class _DynamoStep(torch.nn.Module):
                 self.register_parameter(node.name, value)
             elif "._buffers[" in source and isinstance(value, torch.Tensor):
                 self.register_buffer(node.name, value, persistent=False)
+                self.stock_buffer_names.append(".".join(_SOURCE_KEY.findall(source)))
             else:
                 self.args.append(node.name)
 

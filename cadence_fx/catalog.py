@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 from .errors import ContractError
 from .contract import Adapter, PromptRetained, Region, Ring, SlidingWindow
 
-__all__ = ["RegionCatalog", "Catalog", "build_catalog", "format_bytes"]
+__all__ = ["RegionCatalog", "Catalog", "build_catalog", "region_room", "format_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,7 @@ class RegionCatalog:
     admissible: bool              # Criterion 3.5: K <= the adapter's width limit
     declared_extent: int          # A-dagger: frames the carry must hold (room included)
     room: int                     # frames beyond the retention bound: one call's, appended
-                                  # before the window drops old ones
+                                  # before the window drops old ones (``region_room``)
     stock_bytes: Optional[int]    # bytes of the stock envelope, if declared
     declared_bytes: Optional[int]  # bytes at the declared extent
     staging_bytes_aliased: Optional[int]    # eq. (6) with the carry aliased: envelope only
@@ -109,6 +109,24 @@ def _bytes(adapter: Adapter, r: Region, shape, frames: int) -> Optional[int]:
     return math.prod(sizes) * r.element_bytes
 
 
+def region_room(adapter: Adapter, r: Region) -> Tuple[int, str]:
+    """Frames of room the carry holds beyond the retention bound, and where the number comes
+    from: ``"room"`` (the declared clock), ``"advance"`` or ``"none"``.
+
+    A sliding window appends a call's frames before it drops old ones, and stock code that
+    writes the pre-retention state into an envelope does the same: they get one advance of
+    room by default. A declared ``room`` is honoured on a prompt-retained region
+    too (a cache that grows by concatenation before its cut); a ring has none (``validate``
+    refuses one)."""
+    if isinstance(r.retention, Ring):
+        return 0, "none"
+    if r.room is not None:
+        return adapter.clocks[r.room], "room"
+    if not (r.envelope or isinstance(r.retention, SlidingWindow)):
+        return 0, "none"
+    return adapter.clocks[r.advance], "advance"
+
+
 def build_catalog(adapter: Adapter) -> Catalog:
     """Derive extents, K, verdicts, prices and the joint classes from the declarations alone."""
     adapter.validate()
@@ -120,11 +138,7 @@ def build_catalog(adapter: Adapter) -> Catalog:
         s = adapter.clocks[r.advance]
         lower, bound = min(extents), max(extents)
         K = len(extents)
-        # A sliding window appends a call's frames before it drops old ones, and stock code that
-        # writes the pre-retention state into an envelope does the same: one call of room.
-        room = 0
-        if not isinstance(r.retention, Ring) and (r.envelope or isinstance(r.retention, SlidingWindow)):
-            room = adapter.clocks[r.room or r.advance]
+        room, _ = region_room(adapter, r)
         declared = bound + room
         stock = None
         if r.stock_shape is not None:

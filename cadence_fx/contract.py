@@ -76,10 +76,11 @@ class Region:
     ``input``/``output`` are the paths of the state in the step's arguments and results. ``shape``
     is the declared shape with ``None`` at the frame dimension (entries may be clock names);
     ``stock_shape`` is what the stock code reserves (its envelope) and ``envelope`` the module
-    buffer holding it, if any. Stock code that writes the pre-retention state into its envelope
-    needs ``room`` (a clock: the most frames one call adds; ``advance`` if omitted) beyond the
-    retention bound. ``fixed_address`` regions live in a carry whose ``data_ptr()`` never changes
-    for the stream's lifetime.
+    buffer holding it, if any. A sliding window, and stock code that writes the pre-retention
+    state into its envelope, need ``room`` beyond the retention bound: a clock, the most frames
+    one call adds (``advance`` if omitted; ``catalog.region_room``). A prompt-retained region gets room only when it declares it; a
+    ring never has any. ``fixed_address`` regions live in a carry whose ``data_ptr()`` never
+    changes for the stream's lifetime.
     """
     name: str
     input: str
@@ -226,6 +227,9 @@ class Adapter:
             self.clock(c, who=f"region {r.name!r} (retention)")
         if r.room is not None:
             self.clock(r.room, who=f"region {r.name!r} (room)")
+            if isinstance(r.retention, Ring):
+                raise ContractError(f"{where}: a Ring is written in place at its window "
+                                    f"{r.retention.window!r} and holds no room; remove `room`")
         if isinstance(r.retention, PromptRetained) and self.clocks[r.retention.retained] == 0:
             raise ContractError(f"{where}: retained clock {r.retention.retained!r} is 0; "
                                 "retention would keep no history")

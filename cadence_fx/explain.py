@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .catalog import Catalog, RegionCatalog, build_catalog, format_bytes as _b
+from .catalog import Catalog, RegionCatalog, build_catalog, format_bytes as _b, region_room
 from .contract import Adapter, PromptRetained, Region, Ring
 
 __all__ = ["explain", "explain_text"]
@@ -57,16 +57,24 @@ def _why(adapter: Adapter, r: Region, rc: RegionCatalog) -> dict:
 
 
 def _declared(adapter: Adapter, r: Region, rc: RegionCatalog) -> dict:
-    room = rc.declared_extent - rc.bound
-    d = {"frames": rc.declared_extent, "bound": rc.bound, "room": room}
+    room, source = region_room(adapter, r)
+    d = {"frames": rc.declared_extent, "bound": rc.bound, "room": room, "room_from": source}
     if room <= 0:
+        d["room_clock"] = None
         d["says"] = "the carry holds exactly the largest extent"
         return d
-    clock = r.room or r.advance
-    d["room_clock"] = clock if adapter.clocks.get(clock) == room else None
-    d["says"] = (f"stock code writes the pre-retention state into its envelope {r.envelope!r}: "
-                 f"one call of room ({clock})" if r.envelope else
-                 f"a call's frames are appended before old ones drop: one call of room ({clock})")
+    d["room_clock"] = {"room": r.room, "advance": r.advance}.get(source)
+    if r.envelope:
+        why = f"stock code writes the pre-retention state into its envelope {r.envelope!r}"
+    elif isinstance(r.retention, PromptRetained):
+        why = "the cache grows by a call's frames before retention cuts it"
+    else:
+        why = "a call's frames are appended before old ones drop"
+    if source == "room":
+        amount = f"is the declared `room` ({r.room} = {room})"
+    else:
+        amount = f"is one advance ({r.advance} = {room}); declare `room` if one call adds more"
+    d["says"] = f"{why}; the room {amount}"
     return d
 
 

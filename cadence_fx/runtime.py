@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import prepare as _prepare
-from .admission import Admission, check_paths
+from .admission import Admission, check_envelopes, check_paths
 from .audit import Auditor
 from .catalog import Catalog, build_catalog
 from .class_compiler import ClassEntry, compile_class, method_targets
@@ -88,6 +88,9 @@ class CompiledStep:
         self.kernel_store = None if cache_dir is None else KernelStore.at(cache_dir)
         self._arguments = inspect.signature(self._fn)  # bound on every call: inspect it once
         check_paths(self.adapter, self._arguments)
+        # (a dynamo graph's step registers lifted buffers under its own names: it lists the
+        # module's names too)
+        check_envelopes(self.adapter, [*self._buffers, *getattr(module, "stock_buffer_names", ())])
         # tensor attributes the adapter declares constant (e.g. HiFT's ``stft_window``)
         self._constant_ids = {id(t) for name, t in module_state_tensors(module).items()
                               if name.rsplit(".", 1)[-1] in adapter.constants}

@@ -2,6 +2,7 @@
 
 Every number here comes from the declarations alone; no model runs.
 """
+import dataclasses
 import math
 
 import pytest
@@ -159,3 +160,35 @@ def test_extents_follow_retention(case):
         assert all(a < b for a, b in zip(seq[:top], seq[1:top + 1]))
         assert all(e == bound for e in seq[top:])
     assert cat.size == max(rc.K for rc in cat.regions) * len(cat.call_widths)
+
+
+# -- room: the most frames one call adds -----------------------------------------------------------
+
+def _room_adapter(retention, *, room=None, envelope=None, widths=(4, 6, 8), admission=None,
+                  advance="s"):
+    clocks = {"W": 6, "P": 4, "R": 6, "s": 2, "c4": 4, "c6": 6, "c8": 8, "flush": 10, "one": 1}
+    region = Region(name="k", input="k", output="1", dim=1, retention=retention, advance=advance,
+                    shape=(2, None), room=room, envelope=envelope, stock_shape=(2, 64))
+    return Adapter(name="room", clocks=clocks, regions=(region,),
+                   call_frames=tuple(f"c{w}" for w in widths), call_input="x", call_dim=1,
+                   admission=admission)
+
+
+def test_room_is_honoured_on_a_prompt_retained_region():
+    """Declared on a prompt-retained region without an envelope, the room is in the carry (it
+    was dropped); without a declaration such a region has none; with an envelope it has one
+    advance by default."""
+    plain = build_catalog(_room_adapter(PromptRetained("P", "R"))).region("k")
+    assert (plain.bound, plain.room, plain.declared_extent) == (10, 0, 10)
+    roomy = build_catalog(_room_adapter(PromptRetained("P", "R"), room="c6")).region("k")
+    assert (roomy.room, roomy.declared_extent, roomy.declared_bytes) == (6, 16, 2 * 16 * 4)
+    env = build_catalog(_room_adapter(PromptRetained("P", "R"), envelope="buf")).region("k")
+    assert env.room == 2
+
+
+def test_room_on_a_ring_is_refused_with_the_fix():
+    from cadence_fx.errors import ContractError
+    with pytest.raises(ContractError, match=r"region 'k'.*Ring is written in place at its window "
+                                            r"'W' and holds no room; remove `room`"):
+        _room_adapter(Ring("W"), room="one").validate()
+    assert build_catalog(_room_adapter(Ring("W"))).region("k").room == 0

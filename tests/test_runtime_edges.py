@@ -391,3 +391,25 @@ def test_the_signature_reads_tf32_through_the_api_torch_now_has():
     finally:
         matmul.fp32_precision = kept
     assert matmul.fp32_precision == kept
+
+
+def test_an_envelope_naming_no_buffer_is_refused_at_compile_time_with_the_buffers():
+    """A misspelt ``envelope`` would keep the stock buffer's memory and leave its readers
+    unguarded without a word: compile refuses it, listing the module's buffers."""
+    import dataclasses
+
+    from cadence_fx.errors import ContractError
+    from cadence_fx.models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
+    region = dataclasses.replace(PROMPT_RETAINED_ADAPTER.regions[0], envelope="att_cache_bufer")
+    bad = dataclasses.replace(PROMPT_RETAINED_ADAPTER, regions=(region,))
+    with pytest.raises(ContractError, match=r"region 'att'.*envelope 'att_cache_bufer'.*no buffer "
+                                            r"of that name \(its buffers: att_cache_buffer\); did "
+                                            r"you mean 'att_cache_buffer'\? fix `envelope`"):
+        cadence_fx.compile(PromptRetainedToy(), bad)
+    # the right name, as the last component or the full dotted path, compiles
+    holder = nn.Module()
+    holder.toy = PromptRetainedToy()
+    dotted = dataclasses.replace(PROMPT_RETAINED_ADAPTER, regions=(dataclasses.replace(
+        region, envelope="toy.att_cache_buffer"),))
+    assert cadence_fx.compile(holder.toy.forward, dotted, module=holder).counters.calls == 0
+    assert cadence_fx.compile(PromptRetainedToy(), PROMPT_RETAINED_ADAPTER).counters.calls == 0

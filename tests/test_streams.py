@@ -216,14 +216,22 @@ def test_prompt_stream_retention_count_and_classes():
 
 
 def test_prompt_stream_retaining_from_the_stock_buffer():
-    """The prompt-retained toy declared without its envelope: the carry holds no room for a
-    call, so the stock buffer stays (a private copy) and retention copies the prompt and the
-    last frames from it into the carry, ``C[:P] = X[:P]; C[P:P+R] = X[L-R:L]``, where the
-    envelope form moves them within the carry. Both reads must take exactly the stock frames."""
+    """The prompt-retained toy declared without its envelope and its room: the carry holds no
+    room for a call, so the stock buffer stays (a private copy) and retention copies the prompt
+    and the last frames from it into the carry, ``C[:P] = X[:P]; C[P:P+R] = X[L-R:L]``, where the
+    envelope form moves them within the carry. Both reads must take exactly the stock frames.
+    With the room declared and no envelope, the room is honoured: the buffer fits the carry and
+    is replaced by it, as with the envelope declared."""
     toy = TOYS["prompt"]
     (region,) = toy.adapter.regions
+    roomy = dataclasses.replace(toy.adapter, regions=(dataclasses.replace(region, envelope=None),))
+    c = cadence_fx.compile(toy.make(), roomy)
+    log = _run_lockstep(toy, c, toy.make(), STREAMS["prompt"], seed=2)
+    assert (c.counters.compiled_calls, c.counters.fallbacks) == (log.calls, 0)
+    assert c.carries["att"].extent == 24 + 16 + 10
+    assert all([r["kind"] for r in e.records["rewrites"]][0] == "envelope" for e in c.classes.values())
     adapter = dataclasses.replace(toy.adapter, name="toy-prompt-retained-no-room",
-                                  regions=(dataclasses.replace(region, envelope=None),))
+                                  regions=(dataclasses.replace(region, envelope=None, room=None),))
     c = cadence_fx.compile(toy.make(), adapter, verify=True)
     log = _run_lockstep(toy, c, toy.make(), STREAMS["prompt"], seed=2)
     k = c.counters
