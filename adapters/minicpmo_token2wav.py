@@ -31,6 +31,8 @@ ESTIMATOR_ATT = Region(
     dim=4, retention=PromptRetained("f_prompt", "f_retained"), advance="f_chunk", ordering=PREPEND,
     shape=("n_steps", "dit_depth", "cfg_batch", "heads", None, "kv_width"),
     stock_shape=("stock_steps", 16, "cfg_batch", "heads", "stock_frames", "kv_width"),
+    # the 56-frame last call is written into the envelope before retention: declared, because the
+    # flow step counts its calls in tokens, from which the default room cannot be read
     envelope="att_cache_buffer", room="f_call")
 ESTIMATOR_CNN = Region(
     name="estimator_cnn_cache", input="cache.estimator_cnn_cache", output="1.estimator_cnn_cache",

@@ -15,7 +15,8 @@ from typing import List, Optional, Tuple
 from .errors import ContractError
 from .contract import Adapter, PromptRetained, Region, Ring, SlidingWindow
 
-__all__ = ["RegionCatalog", "Catalog", "build_catalog", "region_room", "format_bytes"]
+__all__ = ["RegionCatalog", "Catalog", "build_catalog", "region_room", "calls_in_region_units",
+           "format_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +29,7 @@ class RegionCatalog:
     K: int                        # catalog width, eq. (7)
     admissible: bool              # Criterion 3.5: K <= the adapter's width limit
     declared_extent: int          # A-dagger: frames the carry must hold (room included)
-    room: int                     # frames beyond the retention bound: one call's, appended
+    room: int                     # frames beyond the retention bound: the most one call appends
                                   # before the window drops old ones (``region_room``)
     stock_bytes: Optional[int]    # bytes of the stock envelope, if declared
     declared_bytes: Optional[int]  # bytes at the declared extent
@@ -109,13 +110,27 @@ def _bytes(adapter: Adapter, r: Region, shape, frames: int) -> Optional[int]:
     return math.prod(sizes) * r.element_bytes
 
 
+def calls_in_region_units(adapter: Adapter, r: Region) -> bool:
+    """Do the adapter's call widths count the region's frames? They do when the region advances
+    by a call clock (or the admission clock), or by the gcd of the call widths (the advance the
+    docs prescribe for a stream of several widths). Otherwise the call is read in other units
+    (Token2Wav's tokens, HiFT's mel frames against its sample caches) and says nothing here."""
+    widths = adapter.call_widths()
+    if not widths:
+        return False
+    if r.advance in adapter.call_frames or r.advance == adapter.admission:
+        return True
+    return adapter.clocks[r.advance] == math.gcd(*widths)
+
+
 def region_room(adapter: Adapter, r: Region) -> Tuple[int, str]:
     """Frames of room the carry holds beyond the retention bound, and where the number comes
-    from: ``"room"`` (the declared clock), ``"advance"`` or ``"none"``.
+    from: ``"room"`` (the declared clock), ``"calls"`` (the widest call the adapter admits),
+    ``"advance"`` or ``"none"``.
 
     A sliding window appends a call's frames before it drops old ones, and stock code that
-    writes the pre-retention state into an envelope does the same: they get one advance of
-    room by default. A declared ``room`` is honoured on a prompt-retained region
+    writes the pre-retention state into an envelope does the same: they get room by default,
+    the most frames one call adds. A declared ``room`` is honoured on a prompt-retained region
     too (a cache that grows by concatenation before its cut); a ring has none (``validate``
     refuses one)."""
     if isinstance(r.retention, Ring):
@@ -124,6 +139,9 @@ def region_room(adapter: Adapter, r: Region) -> Tuple[int, str]:
         return adapter.clocks[r.room], "room"
     if not (r.envelope or isinstance(r.retention, SlidingWindow)):
         return 0, "none"
+    if calls_in_region_units(adapter, r):
+        admitted = [adapter.clocks[adapter.admission]] if adapter.admission else []
+        return max([*adapter.call_widths(), *admitted]), "calls"
     return adapter.clocks[r.advance], "advance"
 
 

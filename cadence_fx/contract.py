@@ -78,7 +78,9 @@ class Region:
     ``stock_shape`` is what the stock code reserves (its envelope) and ``envelope`` the module
     buffer holding it, if any. A sliding window, and stock code that writes the pre-retention
     state into its envelope, need ``room`` beyond the retention bound: a clock, the most frames
-    one call adds (``advance`` if omitted; ``catalog.region_room``). A prompt-retained region gets room only when it declares it; a
+    one call adds. Left out, it is the widest call the adapter admits (its call widths and
+    admission clock) when those count the region's frames, else ``advance``
+    (``catalog.region_room``). A prompt-retained region gets room only when it declares it; a
     ring never has any. ``fixed_address`` regions live in a carry whose ``data_ptr()`` never
     changes for the stream's lifetime.
     """

@@ -72,8 +72,14 @@ def _declared(adapter: Adapter, r: Region, rc: RegionCatalog) -> dict:
         why = "a call's frames are appended before old ones drop"
     if source == "room":
         amount = f"is the declared `room` ({r.room} = {room})"
+    elif source == "calls":
+        admitted = [adapter.admission] if adapter.admission else []
+        clocks = dict.fromkeys([*adapter.call_frames, *admitted])
+        amount = ("is the widest call the adapter admits ("
+                  + ", ".join(f"{c} = {adapter.clocks[c]}" for c in clocks) + ")")
     else:
-        amount = f"is one advance ({r.advance} = {room}); declare `room` if one call adds more"
+        amount = (f"is one advance ({r.advance} = {room}): the call widths count other units than "
+                  "this region's frames; declare `room` if one call adds more")
     d["says"] = f"{why}; the room {amount}"
     return d
 

@@ -174,16 +174,45 @@ def _room_adapter(retention, *, room=None, envelope=None, widths=(4, 6, 8), admi
                    admission=admission)
 
 
+def test_default_room_is_the_widest_call_the_adapter_admits():
+    """Call widths 4, 6 and 8 at an advance of 2 (their gcd): one call appends up to 8 frames,
+    so the window's carry holds 6 + 8, not 6 + 2; an admission clock wider than every call
+    widens it again."""
+    rc = build_catalog(_room_adapter(SlidingWindow("W"))).region("k")
+    assert (rc.bound, rc.room, rc.declared_extent) == (6, 8, 14)
+    rc = build_catalog(_room_adapter(SlidingWindow("W"), admission="flush")).region("k")
+    assert (rc.room, rc.declared_extent) == (10, 16)
+    # an advance that is a call clock counts the call's frames too
+    rc = build_catalog(_room_adapter(SlidingWindow("W"), advance="c4")).region("k")
+    assert rc.room == 8
+
+
+def test_a_declared_room_wins_and_other_units_keep_the_advance():
+    assert build_catalog(_room_adapter(SlidingWindow("W"), room="one")).region("k").room == 1
+    # an advance of 3 frames for calls of 4, 6, 8: the widths count other units (fbank frames
+    # against encoder frames, tokens against mel frames), so the room is one advance
+    adapter = _room_adapter(SlidingWindow("W"))
+    adapter = dataclasses.replace(adapter, clocks={**adapter.clocks, "s": 3})
+    assert build_catalog(adapter).region("k").room == 3
+    # the registered adapters: Freeze-Omni's attention (encoder frames, calls in fbank frames),
+    # HiFT's sample caches (calls in mel frames), Token2Wav's declared f_call
+    assert build_catalog(adapters.get("freeze-omni")).region("att_cache").room == 4
+    assert build_catalog(adapters.get("freeze-omni")).region("conv_left").room == 16
+    t2w = build_catalog(adapters.get("minicpmo-token2wav"))
+    assert t2w.region("hift_source_cache").room == 3840
+    assert t2w.region("hift_mel_cache").room == 56 == t2w.region("estimator_att_cache").room
+
+
 def test_room_is_honoured_on_a_prompt_retained_region():
     """Declared on a prompt-retained region without an envelope, the room is in the carry (it
-    was dropped); without a declaration such a region has none; with an envelope it has one
-    advance by default."""
+    was dropped); without a declaration such a region has none; with an envelope it has the
+    widest call by default."""
     plain = build_catalog(_room_adapter(PromptRetained("P", "R"))).region("k")
     assert (plain.bound, plain.room, plain.declared_extent) == (10, 0, 10)
     roomy = build_catalog(_room_adapter(PromptRetained("P", "R"), room="c6")).region("k")
     assert (roomy.room, roomy.declared_extent, roomy.declared_bytes) == (6, 16, 2 * 16 * 4)
     env = build_catalog(_room_adapter(PromptRetained("P", "R"), envelope="buf")).region("k")
-    assert env.room == 2
+    assert env.room == 8
 
 
 def test_room_on_a_ring_is_refused_with_the_fix():

@@ -238,3 +238,28 @@ def test_inference_mode_then_no_grad():
             y_s, state_s = model(x, state_s)
         assert torch.equal(y_c, y_s) and torch.equal(state_c["k"], state_s["k"])
     assert compiled.counters.compiled_calls == 6
+
+
+def test_calls_of_several_widths_append_in_place_with_the_default_room():
+    """Calls of 4, 6 and 8 frames at an advance of 2 (their gcd) and no declared room: the carry
+    holds the window plus the widest call, so every class writes the new frames into its room
+    and none copies its state (with the advance as room, the wider classes were materialized)."""
+    adapter = Adapter(
+        name="window-widths", clocks={"W": W, "s": 2, "c4": 4, "c6": 6, "c8": 8, "heads": 2, "d": 4},
+        regions=(Region(name="k", input="cache.k", output="1.k", dim=2, retention=SlidingWindow("W"),
+                        advance="s", ordering=APPEND, shape=(1, "heads", None, "d")),),
+        call_frames=("c4", "c6", "c8"), call_input="x", call_dim=2)
+    model = Window("slice")
+    compiled = cadence_fx.compile(model, adapter)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(1, 2, w, 4, generator=g) for w in (4, 6, 8, 4, 8, 6, 6, 8)]
+    ours, stock = _stream(compiled, xs, "cpu"), _stream(model, xs, "cpu")
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(ours, stock))
+    k = compiled.counters
+    assert (k.compiled_calls, k.fallbacks, k.carry_addresses) == (8, 0, 1)
+    assert compiled.carries["k"].extent == W + 8
+    kinds = [w["kind"] for e in compiled.classes.values() for w in e.records["rewrites"]
+             if w["region"] == "k"]
+    assert len(compiled.classes) == 6 and "materialize" not in kinds and "retention" in kinds
+    assert not [m for e in compiled.classes.values() for m in e.records["near_misses"]]
+    assert _cats_left(compiled) == 0
