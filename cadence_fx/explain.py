@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from .catalog import Catalog, RegionCatalog, build_catalog, format_bytes as _b, region_room
-from .contract import Adapter, PromptRetained, Region, Ring
+from .contract import PREPEND, Adapter, PromptRetained, Region, Ring
 
 __all__ = ["explain", "explain_text"]
 
@@ -30,9 +30,12 @@ def _retention(adapter: Adapter, r: Region) -> dict:
         return {"kind": "ring", "window": _clock(adapter, pol.window),
                 "says": f"a ring of {pol.window} = {c[pol.window]} frames written in place: "
                         "the extent never changes"}
+    kept = (f"keep the first {pol.window} = {c[pol.window]} frames, the newest: new frames are "
+            "prepended at index 0" if r.ordering == PREPEND else
+            f"keep the last {pol.window} = {c[pol.window]} frames, the newest: new frames are "
+            "appended at the end")
     return {"kind": "sliding_window", "window": _clock(adapter, pol.window),
-            "start": _clock(adapter, pol.start),
-            "says": f"keep the last {pol.window} = {c[pol.window]} frames"}
+            "start": _clock(adapter, pol.start), "says": kept}
 
 
 def _why(adapter: Adapter, r: Region, rc: RegionCatalog) -> dict:
@@ -40,8 +43,9 @@ def _why(adapter: Adapter, r: Region, rc: RegionCatalog) -> dict:
     pol, c = r.retention, adapter.clocks
     advance = _clock(adapter, r.advance)
     if isinstance(pol, PromptRetained):
-        start = dict(_clock(adapter, pol.prompt), says="the first call attends the prompt "
-                     "(the priming pass that wrote it has no state yet and runs stock)")
+        start = dict(_clock(adapter, pol.prompt), says="the first call attends the prompt, "
+                     "written by the priming pass (a call with no state: a class of its own, "
+                     "keyed by the prompt's shapes, compiled like the others)")
         cap = {"clock": f"{pol.prompt} + {pol.retained}", "frames": c[pol.prompt] + c[pol.retained],
                "says": "retention keeps the prompt and the last retained frames"}
     elif isinstance(pol, Ring):
