@@ -29,6 +29,7 @@ def names() -> Tuple[str, ...]:
 def get(name: str) -> Adapter:
     """The registered adapter called ``name`` (e.g. ``"minicpmo-token2wav"``), validated."""
     if name not in _MODULES:
-        raise ContractError(f"no adapter named {name!r}; registered: {', '.join(_MODULES)}")
+        raise ContractError(f"no adapter named {name!r}; use a registered one ("
+                            f"registered: {', '.join(_MODULES)}) or pass an Adapter")
     module = importlib.import_module(f"{__name__}.{_MODULES[name]}")
     return module.ADAPTERS[name].validate()

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 from typing import Dict, Iterable, Optional
 
 import torch
 
-from .catalog import Catalog
+from .catalog import Catalog, calls_in_region_units
 from .context import Carry
 from .contract import Adapter, Region
 from .counters import Counters
@@ -54,7 +55,10 @@ class Admission:
         if wide:
             self.excluded = "; ".join(
                 f"region {r.name!r} has K = {r.K} signature classes, over the width limit "
-                f"{adapter.width_limit} (Criterion 3.5)" for r in wide) + ": the step runs stock"
+                f"{adapter.width_limit} (Criterion 3.5)" for r in wide) + (
+                ": the step runs stock; raise the adapter's `width_limit` to "
+                f"{max(r.K for r in wide)} if that many classes may be compiled, or leave the "
+                "stage to an outer scheduler")
             if strict:
                 raise GuardError(f"strict mode: {self.excluded}")
             log.warning("%s", self.excluded)
@@ -70,7 +74,8 @@ class Admission:
         if missing and len(missing) < len(self.adapter.regions):
             self._check_declared_keys(by_path)
             return (f"region(s) {missing} have no input state while the others have: a call "
-                    "primes every region (the priming pass) or none")
+                    "primes every region (the priming pass) or none; pass every region's state, "
+                    "or none to prime")
         if missing:
             return None
         extents = []
@@ -80,21 +85,27 @@ class Admission:
             e = t.shape[r.dim]
             if e not in self._extents[r.name]:
                 return (f"region {r.name!r} extent {e} is not in the catalog "
-                        f"{sorted(self._extents[r.name])} derived from its retention clocks")
+                        f"{sorted(self._extents[r.name])} derived from its retention clocks; "
+                        + _extent_fix(self.adapter, r, e, sorted(self._extents[r.name])))
             extents.append(e)
         if tuple(extents) not in self._classes_ok:
-            return f"region extents {tuple(extents)} never occur together in the catalog"
+            return (f"region extents {tuple(extents)} never occur together in the catalog; pass "
+                    "the states of one stream (every region's from the same call), or fix the "
+                    "regions' `advance` clocks so that they move together as the stream does")
         ad = self.adapter
         if ad.call_input is not None:
             x = by_path.get(ad.call_input)
             if not isinstance(x, torch.Tensor):
-                return f"call input {ad.call_input!r} is missing"
+                return (f"call input {ad.call_input!r} is missing; pass it, or fix the "
+                        "adapter's `call_input`")
             w = x.shape[ad.call_dim]
             if not ad.admits(w):
                 bound = (f"admission {ad.admission} = {ad.clocks[ad.admission]}" if ad.admission
                          else "no admission clock")
                 return (f"call width {w} is neither a declared call width "
-                        f"{list(ad.call_widths())} nor admitted ({bound})")
+                        f"{list(ad.call_widths())} nor admitted ({bound}); declare a clock of "
+                        f"{w} in `call_frames`, or an `admission` clock of at least {w} for "
+                        "partial calls")
         return None
 
     def _check_declared_keys(self, by_path) -> None:
@@ -196,8 +207,12 @@ class Admission:
         if carry.holds(t):
             return carry.view(frames)
         if t.device != carry.tensor.device or t.dtype != carry.tensor.dtype:
-            raise ContractError(f"region {r.name!r}: state arrived as {t.dtype} on {t.device}, but "
-                                f"its carry is {carry.tensor.dtype} on {carry.tensor.device}")
+            c = carry.tensor
+            raise ContractError(
+                f"region {r.name!r}: state arrived as {t.dtype} on {t.device}, but its carry is "
+                f"{c.dtype} on {c.device} (the stream's first state fixed it); pass the state as "
+                f"state.to({str(c.device)!r}, {c.dtype}), or compile another step for "
+                f"{t.dtype} states")
         src = t
         for i, size in enumerate(carry.tensor.shape):
             if i != r.dim and src.shape[i] > size:  # undeclared rows, checked to be zero
@@ -208,6 +223,30 @@ class Admission:
             carry.view(frames).copy_(src)
         counters.absorptions += 1
         return carry.view(frames)
+
+
+def _extent_fix(adapter: Adapter, r: Region, e: int, extents) -> str:
+    """The fix for a state whose extent is not in the region's catalog: beyond the retention
+    bound, the clocks are wrong; off the grid, the advance is too coarse for the calls."""
+    lo, hi = extents[0], extents[-1]
+    if e > hi:
+        return (f"it holds more than the {hi} frames retention keeps: fix the retention clocks "
+                f"({', '.join(r.retention.clocks())}), or pass the state as retention cuts it")
+    if e < lo:
+        return (f"it holds fewer than the {lo} frames a stream starts with: fix the retention "
+                f"clocks ({', '.join(r.retention.clocks())}), or pass the state the stock loop "
+                "hands back")
+    s = adapter.clocks[r.advance]
+    step = math.gcd(s, e - lo)
+    widths = adapter.call_widths()
+    # an advance on the grid of the calls' gcd counts their frames (or is coarser than they are)
+    if widths and (calls_in_region_units(adapter, r) or s % math.gcd(*widths) == 0):
+        step = math.gcd(step, *widths)
+        why = f"the gcd of the call widths {list(widths)} and of {e - lo}, the frames past {lo}"
+    else:
+        why = f"a divisor of {e - lo}, the frames past {lo}"
+    return (f"lower the region's `advance` ({r.advance} = {s}) to {step} ({why}), so that every "
+            "extent the stream reaches is in the catalog")
 
 
 def check_paths(adapter: Adapter, arguments) -> None:

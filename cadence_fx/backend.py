@@ -205,8 +205,9 @@ def cadence_backend(gm: torch.fx.GraphModule, example_inputs, *, options: Option
     options = dict(options or {})
     adapter = options.pop("adapter", None)
     if adapter is None:
-        raise ContractError('backend "cadence" needs options={"adapter": ...}: the adapter '
-                            "declaring the model's clocks and regions")
+        raise ContractError('backend "cadence" needs the adapter declaring the model\'s clocks '
+                            'and regions; pass torch.compile(..., options={"adapter": ADAPTER}) '
+                            "with an Adapter or a registered name")
     if any(isinstance(s, torch.SymInt) for t in example_inputs if isinstance(t, torch.Tensor)
            for s in t.shape):   # dynamo hands real examples; a symbolic one cannot be traced exactly
         raise ContractError('backend "cadence" was handed symbolic example inputs; call '

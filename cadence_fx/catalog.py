@@ -66,7 +66,8 @@ class Catalog:
         for r in self.regions:
             if r.name == name:
                 return r
-        raise ContractError(f"catalog of {self.adapter!r} has no region {name!r}")
+        raise ContractError(f"catalog of {self.adapter!r} has no region {name!r}; use one "
+                            f"of its regions: {', '.join(r.name for r in self.regions)}")
 
     def as_dict(self) -> dict:
         return {

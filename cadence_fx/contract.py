@@ -159,7 +159,7 @@ class Adapter:
         for r in self.regions:
             if r.name == name:
                 return r
-        raise ContractError(f"adapter {self.name!r} has no region {name!r}; declared: "
+        raise ContractError(f"adapter {self.name!r} has no region {name!r}; use one it declares: "
                             f"{', '.join(r.name for r in self.regions)}")
 
     def call_widths(self) -> Tuple[int, ...]:
@@ -175,7 +175,9 @@ class Adapter:
         """The same declarations at other numbers (a smaller model, another operating point)."""
         unknown = sorted(set(clocks) - set(self.clocks))
         if unknown:
-            raise ContractError(f"adapter {self.name!r} has no clock(s) {unknown} to override")
+            raise ContractError(f"adapter {self.name!r} has no clock(s) {unknown} to override; "
+                                f"override only declared clocks ({', '.join(sorted(self.clocks))}) "
+                                "or add them to `clocks`")
         return dataclasses.replace(self, clocks={**self.clocks, **clocks}).validate()
 
     def select(self, *regions: str) -> "Adapter":
@@ -190,25 +192,29 @@ class Adapter:
             raise ContractError("adapter has no name; give it a registry name such as 'moshi'")
         for k, v in self.clocks.items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ContractError(f"{where}: clock {k!r} = {v!r}; clocks are non-negative integers")
+                raise ContractError(f"{where}: clock {k!r} = {v!r}; set it to a non-negative "
+                                    "integer (clocks count frames, samples, steps or layers)")
         if not self.regions:
             raise ContractError(f"{where} declares no regions; declare at least one state region")
         names = [r.name for r in self.regions]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
-            raise ContractError(f"{where}: region name(s) {dup} declared twice; region names are unique")
+            raise ContractError(f"{where}: region name(s) {dup} declared twice; rename one "
+                                "(region names are unique)")
         for r in self.regions:
             self._validate_region(r)
         for c in self.call_frames:
             if self.clock(c, who="call_frames") <= 0:
-                raise ContractError(f"{where}: call clock {c!r} is 0; a call advances at least one frame")
+                raise ContractError(f"{where}: call clock {c!r} is 0; set it to the call's width "
+                                    "(a call advances at least one frame) or drop it from `call_frames`")
         if self.admission is not None:
             self.clock(self.admission, who="admission")
         if self.call_frames and self.call_input is None:
             raise ContractError(f"{where} declares call_frames but no call_input; name the argument "
                                 "whose `call_dim` carries the call width")
         if self.width_limit < 1:
-            raise ContractError(f"{where}: width_limit {self.width_limit} must be >= 1")
+            raise ContractError(f"{where}: width_limit {self.width_limit} must be >= 1; set it "
+                                "to the most classes a region may have (default 64)")
         for field, example in (("repeated", "estimator.forward_chunk"), ("priming", "flow.setup_cache")):
             for r in getattr(self, field):
                 owner, _, method = r.rpartition(".")
@@ -222,9 +228,12 @@ class Adapter:
         if r.ordering not in (PREPEND, APPEND):
             raise ContractError(f"{where}: ordering {r.ordering!r}; use 'prepend' or 'append'")
         if not r.input or not r.output:
-            raise ContractError(f"{where}: input and output paths are required")
+            raise ContractError(f"{where}: input and output paths are required; give the "
+                                "state's path in the step's arguments and results "
+                                "(e.g. input='cache.att', output='1.att')")
         if self.clock(r.advance, who=f"region {r.name!r} (advance)") <= 0:
-            raise ContractError(f"{where}: advance clock {r.advance!r} is 0; the region never grows")
+            raise ContractError(f"{where}: advance clock {r.advance!r} is 0, so the region never "
+                                "grows; set it to the frames one call adds (a ring's too)")
         for c in r.retention.clocks():
             self.clock(c, who=f"region {r.name!r} (retention)")
         if r.room is not None:
@@ -233,36 +242,49 @@ class Adapter:
                 raise ContractError(f"{where}: a Ring is written in place at its window "
                                     f"{r.retention.window!r} and holds no room; remove `room`")
         if isinstance(r.retention, PromptRetained) and self.clocks[r.retention.retained] == 0:
-            raise ContractError(f"{where}: retained clock {r.retention.retained!r} is 0; "
-                                "retention would keep no history")
+            raise ContractError(f"{where}: retained clock {r.retention.retained!r} is 0, so "
+                                "retention would keep no history; set it to the frames of history "
+                                "the stock code keeps after the prompt")
         if isinstance(r.retention, (Ring, SlidingWindow)) and self.clocks[r.retention.window] == 0:
-            raise ContractError(f"{where}: window clock {r.retention.window!r} is 0")
+            raise ContractError(f"{where}: window clock {r.retention.window!r} is 0; set it to "
+                                "the frames the stock code keeps")
         if isinstance(r.retention, SlidingWindow) and r.retention.start is not None:
             if self.clocks[r.retention.start] > self.clocks[r.retention.window]:
                 raise ContractError(f"{where}: start {r.retention.start!r} exceeds window "
-                                    f"{r.retention.window!r}; extents would never reach the window")
+                                    f"{r.retention.window!r}, so extents would never reach the "
+                                    "window; lower `start` to at most the window, or leave it out "
+                                    "for a window that starts empty")
         if r.shape:
             if not 0 <= r.dim < len(r.shape):
-                raise ContractError(f"{where}: frame dim {r.dim} outside its {len(r.shape)}-d shape")
+                raise ContractError(f"{where}: frame dim {r.dim} outside its {len(r.shape)}-d "
+                                    "shape; set `dim` to the index of the frame dimension in "
+                                    "`shape` (counted from 0)")
             if r.shape[r.dim] is not None:
                 raise ContractError(f"{where}: shape[{r.dim}] must be None (the frame dimension is "
-                                    f"derived from the clocks), got {r.shape[r.dim]!r}")
+                                    f"derived from the clocks), got {r.shape[r.dim]!r}; put None "
+                                    "there, or fix `dim`")
             for i, d in enumerate(r.shape):
                 if i != r.dim:
                     if d is None:
-                        raise ContractError(f"{where}: shape[{i}] is None; only the frame dim may be")
+                        raise ContractError(f"{where}: shape[{i}] is None, but only the frame "
+                                            f"dim ({r.dim}) may be; give it a clock or a size, or "
+                                            "fix `dim`")
                     if self.dim_size(d, r) <= 0:
-                        raise ContractError(f"{where}: shape[{i}] = {d!r} is not a positive size")
+                        raise ContractError(f"{where}: shape[{i}] = {d!r} is not a positive "
+                                            "size; give it a clock or a size above 0")
         elif r.dim < 0:
-            raise ContractError(f"{where}: dim must be non-negative (got {r.dim})")
+            raise ContractError(f"{where}: dim must be non-negative (got {r.dim}); count the "
+                                "frame dimension from 0, or declare `shape`")
         if r.stock_shape is not None:
             if len(r.stock_shape) != len(r.shape):
                 raise ContractError(f"{where}: stock_shape has {len(r.stock_shape)} dims but shape "
                                     f"has {len(r.shape)}; declare both with the same rank")
             for d in r.stock_shape:
                 if d is None:
-                    raise ContractError(f"{where}: stock_shape entries must all be sizes")
+                    raise ContractError(f"{where}: stock_shape entries must all be sizes; give "
+                                        "each dimension the clock or size the stock code reserves")
                 self.dim_size(d, r)
         if r.element_bytes not in (1, 2, 4, 8):
-            raise ContractError(f"{where}: element_bytes {r.element_bytes} is not a dtype width")
+            raise ContractError(f"{where}: element_bytes {r.element_bytes} is not a dtype "
+                                "width; use 1, 2, 4 or 8 (4 for fp32, 2 for bf16, 8 for int64)")
 

@@ -33,7 +33,8 @@ class Effects:
         if not self.host:
             return None
         return (f"host randomness ({', '.join(self.host)}): a trace would freeze the draws as "
-                "constants, so this class runs the stock step")
+                "constants, so this class runs the stock step; draw with torch on the step's "
+                "device instead (device randomness is replayed exactly)")
 
 
 class RngSnapshot:

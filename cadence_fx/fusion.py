@@ -31,6 +31,7 @@ States of a region: pending -> fused (verified) or stock (with the reason).
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from typing import Callable, List, Optional, Sequence
 
@@ -65,10 +66,15 @@ NUMERICS = {
 }
 
 
-def _numerics() -> dict:
+@functools.lru_cache(maxsize=None)
+def _numerics_items() -> tuple:
     import torch._inductor.config as config
-    have = config.get_config_copy()
-    return {k: v for k, v in NUMERICS.items() if k in have}
+    have = config.get_config_copy()    # a deep copy of Inductor's config: about 3-9 ms, once
+    return tuple((k, v) for k, v in NUMERICS.items() if k in have)
+
+
+def _numerics() -> dict:
+    return dict(_numerics_items())
 
 
 def compile_region(module, args: Sequence, graph: Optional[tuple] = None) -> Callable:
@@ -115,6 +121,7 @@ def inductor_form(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 _COMPILED: dict = {}
+_KEYS: dict = {}      # (graph, layout, compiler digest) -> kernel key
 
 
 def graph_key(module: torch.fx.GraphModule) -> tuple:
@@ -226,7 +233,10 @@ class FusedRegion(torch.nn.Module):
         self.state, self.reason, self._fused, self.loaded = "pending", None, None, False
 
     def _key(self, layout: tuple) -> str:
-        return region_kernels.kernel_key(self.graph, layout, _numerics())
+        memo = (self.graph, layout, region_kernels.compiler_digest())
+        if memo not in _KEYS:   # thousands of regions share a few hundred keys
+            _KEYS[memo] = region_kernels.kernel_key(self.graph, layout, _numerics())
+        return _KEYS[memo]
 
     def _keep(self, args, verdict: str, reason: Optional[str], fused) -> None:
         """Store this region's verdict (a key already stored fused is rewritten only by a
@@ -257,6 +267,8 @@ class FusedRegion(torch.nn.Module):
         if failed is None and shared is not None:
             failed = f"input {self.writes[0]}, which it writes, shares storage with input {shared}"
         if failed is not None:
+            if shared is None:   # the region's own verdict (a shared input is this call's)
+                self._keep(args, "stock", failed, None)
             return self._refuse(failed, expected)
         after = [w.clone() for w in written]
         _put(written, before)
@@ -267,6 +279,7 @@ class FusedRegion(torch.nn.Module):
             raise
         except Exception as e:  # noqa: BLE001 - the region stays stock, with the reason
             _put(written, after)
+            self._keep(args, "stock", f"the fused code failed: {_first_line(e)}", None)
             return self._refuse(f"the fused code failed: {_first_line(e)}", expected)
         reason = _difference(expected, got) or _written_difference(after, written)
         if reason:

@@ -22,6 +22,11 @@ __all__ = ["EagerBackend", "GuardedPiece"]
 log = logging.getLogger(__name__)
 
 
+# a captured graph reads its parameters, buffers and carries at the addresses of its capture
+_MOVED_FIX = ("keep the parameters, buffers and state where they are between calls (no .to(), no "
+              "reassigned tensors), or declare recapture_on_drift=True in the adapter to capture "
+              "the class again at the new addresses")
+
 class EagerBackend:
     """No device graphs: every capturable piece runs eagerly behind its guard."""
     name = "eager"
@@ -104,7 +109,10 @@ class GuardedPiece(torch.nn.Module):
 
     def _fallback(self, reason: str, args):
         if self.strict:
-            raise GuardError(f"strict mode: {self.piece_name}: {reason}")
+            raise GuardError(f"strict mode: {self.piece_name}: {reason}; " + (
+                _MOVED_FIX if "moved" in reason else
+                "compile with graphs=False to run the piece on the guarded eager path, or "
+                "without strict=True to let it run eagerly, counted in counters.reasons"))
         self.counters.fallback(f"{self.piece_name}: {reason}")
         return self.module(*args)
 

@@ -73,10 +73,13 @@ class SessionPool:
         if len(heads) != 1 or len(outs) != 1 or not next(iter(outs)).isdigit():
             raise ContractError(
                 f"adapter {self.adapter.name!r}: a session pool needs every region in one state "
-                f"argument and one result (inputs {sorted(heads)}, outputs {sorted(outs)})")
+                f"argument and one result (inputs {sorted(heads)}, outputs {sorted(outs)}); "
+                "keep the step's state in one argument returned as one result (a dict), or "
+                "serve each stream through a compiled step of its own")
         self.state_arg = heads.pop()
         if self.state_arg not in args:
-            raise ContractError(f"the step has no argument {self.state_arg!r} (its arguments: {args})")
+            raise ContractError(f"the step has no argument {self.state_arg!r} (its arguments: "
+                                f"{args}); fix the regions' `input` paths to name one of them")
         self.state_out = int(outs.pop())
         self._sessions: Dict[int, _Session] = {}
         self._ids = itertools.count()
@@ -127,8 +130,8 @@ class SessionPool:
                 f"the carries no longer hold that session's state: pool.reset({lost}, state) "
                 "restarts it. Serve every stream of a compiled step through one pool")
         if session.lost:
-            raise GuardError(f"session {sid} lost its state (see the earlier error); "
-                             f"pool.reset({sid}, state) restarts it")
+            raise GuardError(f"session {sid} lost its state (see the earlier error); call "
+                             f"pool.reset({sid}, state) to restart it")
         if self.resident is not None and self.resident != sid:
             self._save(self._sessions[self.resident])
         kwargs[self.state_arg] = session.state
@@ -226,7 +229,8 @@ class SessionPool:
                 snap.narrow(r.dim, 0, frames).copy_(t)
             view = snap.narrow(r.dim, 0, frames)
             if isinstance(container, tuple):
-                raise ContractError(f"region {r.name!r} sits in a tuple; the pool needs a dict or list")
+                raise ContractError(f"region {r.name!r} sits in a tuple, which the pool cannot "
+                                    "write; keep the state in a dict or a list")
             container[key] = view
         session.state = root[self.state_arg]   # the state itself may be the region's tensor
         self.swaps += 1

@@ -95,7 +95,8 @@ def test_backend_needs_an_adapter():
     from cadence_fx.backend import cadence_backend
     from cadence_fx.errors import ContractError
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
-    with pytest.raises(ContractError, match='needs options=\\{"adapter"'):
+    with pytest.raises(ContractError, match='needs the adapter.*pass torch.compile\\(..., '
+                                            'options=\\{"adapter": ADAPTER\\}\\)'):
         cadence_backend(gm, [torch.randn(1, 2)])
 
 

@@ -96,7 +96,8 @@ def test_width_outside_the_catalog_falls_back_bit_exact(model, stock, traces):
     got, _ = run_turns(c, turns, seed=8)
     _assert_calls_equal(got, want)
     width = ("call width 10 is neither a declared call width [8, 12] nor admitted "
-             "(admission chunk = 8)")
+             "(admission chunk = 8); declare a clock of 10 in `call_frames`, or an `admission` "
+             "clock of at least 10 for partial calls")
     assert dict(c.counters.reasons) == {width: 1}
     assert c.counters.compiled_calls == 4 and c.counters.carry_addresses == 1
 

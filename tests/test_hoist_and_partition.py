@@ -498,7 +498,9 @@ def test_extent_outside_the_catalog_falls_back_with_reason():
     assert (k.fallbacks, k.compiled_calls, k.traces) == (2, 0, 0)
     (reason,) = k.reasons
     assert reason == ("region 'att' extent 3 is not in the catalog [0, 4] derived from its "
-                      "retention clocks")
+                      "retention clocks; lower the region's `advance` (f_chunk = 4) to 1 (the gcd "
+                      "of the call widths [4] and of 3, the frames past 0), so that every extent "
+                      "the stream reaches is in the catalog")
     assert k.reasons[reason] == 2
 
 
@@ -534,14 +536,18 @@ def test_extents_that_never_occur_together_fall_back_with_reason():
             got, want = c(x, got[1], got[2]), stock(x, want[1], want[2])
         _equal(list(got), list(want))
     k = c.counters
-    assert dict(k.reasons) == {"region extents (4, 0) never occur together in the catalog": 1}
+    assert dict(k.reasons) == {
+        "region extents (4, 0) never occur together in the catalog; pass the states of one stream "
+        "(every region's from the same call), or fix the regions' `advance` clocks so that they "
+        "move together as the stream does": 1}
     assert (k.compiled_calls, k.fallbacks, k.traces) == (4, 1, 3)
 
 
 def test_strict_raises_on_a_width_the_adapter_does_not_admit():
     c = cadence_fx.compile(ConvLeftContextToy(), CONV_ADAPTER, strict=True)
     with pytest.raises(GuardError, match=r"call width 5 is neither a declared call width \[4\] "
-                                         r"nor admitted \(admission f_chunk = 4\)"):
+                                         r"nor admitted \(admission f_chunk = 4\); declare a "
+                                         r"clock of 5 in `call_frames`"):
         with torch.no_grad():
             c(torch.randn(1, 32, 5), torch.zeros(1, 32, 2), torch.zeros(1, 64, 4))
 

@@ -65,7 +65,7 @@ def test_a_region_in_an_absent_argument_falls_back_with_the_reason():
     assert other is None
     assert dict(c.counters.reasons) == {
         "region(s) ['b'] have no input state while the others have: a call primes every region "
-        "(the priming pass) or none": 1}
+        "(the priming pass) or none; pass every region's state, or none to prime": 1}
     assert (c.counters.compiled_calls, c.counters.fallbacks) == (0, 1)
 
 
@@ -80,7 +80,9 @@ def test_every_region_present_is_admitted_when_the_extents_occur_together():
         _, out, _ = c(x, {"inner": {"a": a, "b": b[:, :, :2]}})   # each extent is in its
     assert torch.equal(out["b"], torch.cat([b[:, :, :2], x], 2))   # catalog, not together
     assert dict(c.counters.reasons) == {
-        "region extents (4, 2) never occur together in the catalog": 1}
+        "region extents (4, 2) never occur together in the catalog; pass the states of one "
+        "stream (every region's from the same call), or fix the regions' `advance` clocks so "
+        "that they move together as the stream does": 1}
 
 
 def _sig(fn):
@@ -174,10 +176,15 @@ def _call(c, x, cache):
 
 @pytest.mark.parametrize("admission,width,frames,reason", [
     (None, 2, 3, "region 'k' extent 3 is not in the catalog [0, 2, 4] derived from its retention "
-                 "clocks"),
+                 "clocks; lower the region's `advance` (c = 2) to 1 (the gcd of the call widths "
+                 "[2] and of 3, the frames past 0), so that every extent the stream reaches is in "
+                 "the catalog"),
     (None, 3, 2, "call width 3 is neither a declared call width [2] nor admitted (no admission "
-                 "clock)"),
-    ("a", 5, 2, "call width 5 is neither a declared call width [2] nor admitted (admission a = 3)"),
+                 "clock); declare a clock of 3 in `call_frames`, or an `admission` clock of at "
+                 "least 3 for partial calls"),
+    ("a", 5, 2, "call width 5 is neither a declared call width [2] nor admitted (admission a = 3); "
+                "declare a clock of 5 in `call_frames`, or an `admission` clock of at least 5 for "
+                "partial calls"),
 ], ids=["extent", "width", "width-over-the-admission-clock"])
 def test_a_call_outside_the_catalog_runs_stock_with_the_reason(admission, width, frames, reason):
     c = cadence_fx.compile(Window(), _window(admission))
@@ -195,7 +202,8 @@ def test_a_width_within_the_admission_clock_is_admitted():
 def test_a_missing_call_input_runs_stock_with_the_reason():
     c = cadence_fx.compile(Window(), _window())
     _call(c, None, torch.randn(1, 2, 4))
-    assert dict(c.counters.reasons) == {"call input 'x' is missing": 1}
+    assert dict(c.counters.reasons) == {
+        "call input 'x' is missing; pass it, or fix the adapter's `call_input`": 1}
     assert (c.counters.compiled_calls, c.counters.fallbacks) == (0, 1)
 
 
@@ -242,7 +250,9 @@ def test_a_state_of_another_dtype_than_its_carry_is_a_contract_error():
     with pytest.raises(cadence_fx.ContractError) as e:
         c(torch.randn(1, 2, 2, dtype=torch.float64), torch.randn(1, 2, 2, dtype=torch.float64))
     assert str(e.value) == ("region 'k': state arrived as torch.float64 on cpu, but its carry is "
-                            "torch.float32 on cpu")
+                            "torch.float32 on cpu (the stream's first state fixed it); pass the "
+                            "state as state.to('cpu', torch.float32), or compile another step for "
+                            "torch.float64 states")
 
 
 def test_an_old_view_of_the_carry_is_refused_as_stale():
@@ -346,7 +356,8 @@ def test_every_region_fitting_but_the_call_input_suggests_no_select():
 
 WIDE = ("region 'a' has K = 3 signature classes, over the width limit 1 (Criterion 3.5); "
         "region 'b' has K = 3 signature classes, over the width limit 1 (Criterion 3.5): "
-        "the step runs stock")
+        "the step runs stock; raise the adapter's `width_limit` to 3 if that many classes may "
+        "be compiled, or leave the stage to an outer scheduler")
 
 
 def _wide():

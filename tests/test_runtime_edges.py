@@ -77,7 +77,8 @@ def test_fallback_in_mid_stream_keeps_module_buffers_in_step():
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks) == (4, 1)
     assert k.reasons == {"call width 6 is neither a declared call width [4] nor admitted "
-                         "(admission f_chunk = 4)": 1}
+                         "(admission f_chunk = 4); declare a clock of 6 in `call_frames`, or an "
+                         "`admission` clock of at least 6 for partial calls": 1}
 
 
 def test_module_state_attribute_is_advanced_once_per_call():

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 import cadence_fx
+from cadence_fx.admission import _extent_fix
 from cadence_fx.catalog import build_catalog
 from cadence_fx.models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
 from replay_stand_in import StandInBackend
@@ -63,12 +64,15 @@ _ADMITTED = set(range(1, PROMPT_RETAINED_ADAPTER.clocks["f_chunk"] + 1)) | set(_
 
 
 def _refusal(extent: int, width: int) -> Optional[str]:
-    if extent not in _EXTENTS:
+    if extent not in _EXTENTS:   # (the fix's wording is test_error_fixes.py's)
         return (f"region 'att' extent {extent} is not in the catalog {_EXTENTS} derived from its "
-                "retention clocks")
+                "retention clocks; " + _extent_fix(PROMPT_RETAINED_ADAPTER,
+                                                   PROMPT_RETAINED_ADAPTER.regions[0], extent, _EXTENTS))
     if width not in _ADMITTED:
         return (f"call width {width} is neither a declared call width {_WIDTHS} nor admitted "
-                f"(admission f_chunk = {PROMPT_RETAINED_ADAPTER.clocks['f_chunk']})")
+                f"(admission f_chunk = {PROMPT_RETAINED_ADAPTER.clocks['f_chunk']}); declare a "
+                f"clock of {width} in `call_frames`, or an `admission` clock of at least {width} "
+                "for partial calls")
     return None
 
 

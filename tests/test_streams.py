@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import cadence_fx
+from cadence_fx.admission import _extent_fix
 from cadence_fx.catalog import build_catalog
 from cadence_fx.models.toy import (CONV_ADAPTER, PROMPT_RETAINED_ADAPTER, RING_ADAPTER,
                                    ConvLeftContextToy, PromptRetainedToy, RingToy)
@@ -116,14 +117,18 @@ def _refusal(toy: Toy, extents: tuple, w: int) -> Optional[str]:
     ad, catalog = toy.adapter, _catalog(toy.name)
     for r, e in zip(ad.regions, extents):
         known = catalog.region(r.name).extents
-        if e not in known:
+        if e not in known:   # (the fix's wording is test_error_fixes.py's)
             return (f"region {r.name!r} extent {e} is not in the catalog {sorted(known)} derived "
-                    "from its retention clocks")
+                    "from its retention clocks; " + _extent_fix(ad, r, e, sorted(known)))
     if tuple(extents) not in {e for e, _ in catalog.classes}:
-        return f"region extents {tuple(extents)} never occur together in the catalog"
+        return (f"region extents {tuple(extents)} never occur together in the catalog; pass the "
+                "states of one stream (every region's from the same call), or fix the regions' "
+                "`advance` clocks so that they move together as the stream does")
     if w not in toy.admitted:
         return (f"call width {w} is neither a declared call width {list(ad.call_widths())} nor "
-                f"admitted (admission {ad.admission} = {ad.clocks[ad.admission]})")
+                f"admitted (admission {ad.admission} = {ad.clocks[ad.admission]}); declare a "
+                f"clock of {w} in `call_frames`, or an `admission` clock of at least {w} for "
+                "partial calls")
     return None
 
 
