@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import operator
 import re
+import sys
 import weakref
 from typing import Dict, List, Optional
 
@@ -242,10 +243,12 @@ def compiled_steps() -> List:
     return [s for s in (r() for r in _STEPS) if s is not None]
 
 
-def report() -> "BackendReport":
+def report(show: Optional[bool] = None) -> "BackendReport":
     """What ``torch.compile(..., backend="cadence")`` compiled: each step's report (catalog,
-    rewrites, pieces, counters); HTML in a notebook, text with ``print``."""
-    return BackendReport(compiled_steps())
+    rewrites, pieces, counters). On a line of its own it shows itself, as text in a script and
+    as HTML in a notebook; ``show`` as for ``CompiledStep.report``."""
+    from .report import shown
+    return shown(BackendReport(compiled_steps()), sys._getframe(1), show)
 
 
 class BackendReport:
@@ -254,6 +257,9 @@ class BackendReport:
 
     def _names(self):
         return [f"dynamo graph {i} ({s.adapter.name})" for i, s in enumerate(self.steps)]
+
+    def __repr__(self):
+        return str(self)
 
     def __str__(self):
         if not self.steps:

@@ -1,14 +1,21 @@
 """What a compiled step shows: its catalog, memory before/after, counters, and per class the
 rewritten graph with carry writes and partitions marked. ``str(report)`` for a terminal,
 ``_repr_html_`` for a notebook (rendered by ``report_html``; the code before the passes is shown
-unless the step was compiled with ``keep_before=False``)."""
+unless the step was compiled with ``keep_before=False``).
+
+``compiled.report()`` on a line of its own shows itself: the text on stdout in a script, the
+HTML in a notebook (``show``). Kept in a variable or passed on, it shows nothing, so code that
+reads its numbers (``report().memory()``) prints nothing either."""
 from __future__ import annotations
 
-from typing import Dict, List
+import dis
+import sys
+from types import FrameType
+from typing import Dict, List, Optional
 
 from .fx_utils import aten, view_chain
 
-__all__ = ["Report"]
+__all__ = ["Report", "show", "shown"]
 
 MAX_GRAPH_LINES = 400
 
@@ -17,9 +24,42 @@ def _mib(n) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f} MiB"
 
 
+def show(report) -> None:
+    """Show a report now: through IPython's display where IPython runs (the HTML in a notebook,
+    the text in a terminal IPython), else its text on stdout."""
+    ipython = sys.modules.get("IPython")
+    if ipython is not None and ipython.get_ipython() is not None:
+        from IPython.display import display
+        display(report)
+    else:
+        sys.stdout.write(f"{report}\n")
+
+
+def _discarded(frame: FrameType) -> bool:
+    """Does ``frame`` throw away the value of the call it is making (an expression statement:
+    the next instruction pops it)? A REPL's echo (``PRINT_EXPR``), an assignment, an argument or
+    an attribute read keep it."""
+    for ins in dis.get_instructions(frame.f_code):
+        if ins.offset > frame.f_lasti:
+            return ins.opname == "POP_TOP"
+    return False
+
+
+def shown(report, frame: FrameType, show_it: Optional[bool] = None):
+    """``report``, shown first when ``show_it`` is True, or when it is None and ``frame`` (the
+    caller's) discards it."""
+    if show_it or (show_it is None and _discarded(frame)):
+        show(report)
+    return report
+
+
 class Report:
     def __init__(self, compiled):
         self.c = compiled
+
+    def __repr__(self) -> str:
+        """The text report: what a REPL echoes."""
+        return str(self)
 
     # -- data -----------------------------------------------------------------------------
     def memory(self) -> Dict[str, int]:

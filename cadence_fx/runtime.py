@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -215,9 +216,12 @@ class CompiledStep:
         self.backend = None
 
     # -- inspection -------------------------------------------------------------------------
-    def report(self):
-        from .report import Report
-        return Report(self)
+    def report(self, show: Optional[bool] = None):
+        """What the step compiled: catalog, memory, counters, rewrites, pieces (``report.py``).
+        On a line of its own it shows itself, as text in a script and as HTML in a notebook;
+        ``show=True`` always shows it, ``show=False`` never (a REPL echoes its text anyway)."""
+        from .report import Report, shown
+        return shown(Report(self), sys._getframe(1), show)
 
     def _repr_html_(self):
         return self.report()._repr_html_()

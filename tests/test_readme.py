@@ -22,7 +22,11 @@ def test_the_readme_snippet_runs_and_compiles_every_call():
     namespace: dict = {}
     with contextlib.redirect_stdout(out):
         exec(compile(snippet, str(README), "exec"), namespace)
-    assert out.getvalue().split() == ["4", "1"]        # compiled calls, carry addresses
+    printed, report = out.getvalue().split("\n", 1)
+    assert printed.split() == ["4", "1"]        # compiled calls, carry addresses
+    # ``compiled.report()`` on a line of its own: the text report follows
+    assert report.startswith("cadence_fx report: adapter 'minicpmo-token2wav-cfm'")
+    assert "compiled_calls=4" in report
     c = namespace["compiled"].counters
     assert (c.compiled_calls, c.fallbacks, c.carry_addresses) == (4, 0, 1)
     assert c.released_bytes >= 16 * 16 * 2 * 8 * 1000 * 128 * 4
