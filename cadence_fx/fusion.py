@@ -170,6 +170,7 @@ class FusedRegion(torch.nn.Module):
         self.store: Optional[region_kernels.KernelStore] = None   # where verdicts are kept
         self.loaded = False               # fused or stock by a stored verdict, not verified here
         self._checked = True              # a loaded kernel's inputs were seen at its layout
+        self._verified_at: Optional[str] = None   # the layout its stored verdict was made at
         self.stock = stock
         # ``graph_key`` of the stock graph (a region loaded as code has no graph of its own)
         self.graph = graph if graph is not None or not isinstance(stock, torch.fx.GraphModule) \
@@ -184,7 +185,7 @@ class FusedRegion(torch.nn.Module):
     def forward(self, *args):
         if not self._checked:
             self._checked = True
-            if layout_key(args) != _modes() + self.layout:   # not what its key was made for
+            if repr(layout_key(args)) != self._verified_at:   # not what its verdict was made at
                 log.info("%s: inputs at another layout than its stored kernel's; verified again",
                          self.region_name)
                 self._unload()
@@ -213,7 +214,7 @@ class FusedRegion(torch.nn.Module):
         found = store.get(self._key(_modes() + self.layout))
         if found is None:
             return
-        self.loaded, self._checked = True, False
+        self.loaded, self._checked, self._verified_at = True, False, found.layout
         if self.counters is not None:
             self.counters.fusions_loaded += 1
         if found.verdict == "fused":
@@ -239,14 +240,16 @@ class FusedRegion(torch.nn.Module):
         return _KEYS[memo]
 
     def _keep(self, args, verdict: str, reason: Optional[str], fused) -> None:
-        """Store this region's verdict (a key already stored fused is rewritten only by a
+        """Store this region's verdict under its key as traced (what a later process finds it
+        by), with the layout it was made at (a key already stored fused is rewritten only by a
         refusal: one region refused makes every region with its key run stock)."""
         if self.store is None or self.graph is None:
             return
-        key = self._key(layout_key(args))
+        made_at = layout_key(args)
+        key = self._key(made_at if self.layout is None else _modes() + self.layout)
         known = self.store.known(key)
         if known is None or (known == "fused" and verdict == "stock"):
-            self.store.put(key, verdict, reason, fused)
+            self.store.put(key, verdict, reason, fused, layout=repr(made_at))
 
     def verify(self, args) -> tuple:
         """Compile, run both forms on ``args``, admit the fused one only if every output, and

@@ -23,10 +23,14 @@ Layout::
 
     CACHE_DIR/kernels/<kernel key>.kernel    one header line (JSON) + the artifact's bytes
 
-The header repeats the key in full, the verdict and the payload's length and SHA-256: an entry
-whose key differs (foreign), whose digest does not match (truncated, corrupt) or that does not
-load is reported with a warning and compiled again, never used. Entries are Python pickles
-inside: load only a cache directory you trust, as with torch's own caches.
+A region is found by the key of its inputs' layout as traced (its fake values), and the entry
+keeps the layout its verdict was made at on the real inputs: a loaded region compares its first
+call's inputs with that one, and is verified again where they differ.
+
+The header repeats the key in full, the verdict, that layout and the payload's length and
+SHA-256: an entry whose key differs (foreign), whose digest does not match (truncated, corrupt) or
+that does not load is reported with a warning and compiled again, never used. Entries are Python
+pickles inside: load only a cache directory you trust, as with torch's own caches.
 """
 from __future__ import annotations
 
@@ -156,6 +160,7 @@ class StoredKernel:
     verdict: str                      # "fused" | "stock"
     reason: Optional[str]             # why stock
     fn: Optional[Callable]            # the loaded code (None for a stock verdict)
+    layout: Optional[str] = None      # the inputs' layout it was verified at (``fusion.layout_key``)
 
 
 class KernelStore:
@@ -200,17 +205,19 @@ class KernelStore:
         found = self._memory.get(key)
         return None if found is None else found.verdict
 
-    def put(self, key: str, verdict: str, reason: Optional[str], fn: Optional[Callable]) -> None:
-        """Store a verdict, with the artifact of ``fn`` for a fused one (none to store: skipped)."""
+    def put(self, key: str, verdict: str, reason: Optional[str], fn: Optional[Callable],
+            layout: Optional[str] = None) -> None:
+        """Store a verdict made at ``layout``, with the artifact of ``fn`` for a fused one
+        (none to store: skipped)."""
         blob = getattr(fn, "artifact", None) if verdict == "fused" else b""
         if blob is None:
             return
         header = {"format": FORMAT, "key": key, "verdict": verdict, "reason": reason,
-                  "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+                  "layout": layout, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
         from .compile_cache import _atomic_write
         self.dir.mkdir(parents=True, exist_ok=True)
         _atomic_write(self.path(key), json.dumps(header).encode() + b"\n" + blob)
-        self._memory[key] = StoredKernel(verdict, reason, fn if verdict == "fused" else None)
+        self._memory[key] = StoredKernel(verdict, reason, fn if verdict == "fused" else None, layout)
         self.stores += 1
 
     def _read(self, key: str) -> Optional[StoredKernel]:
@@ -235,13 +242,13 @@ class KernelStore:
         if len(blob) != header.get("bytes") or hashlib.sha256(blob).hexdigest() != header.get("sha256"):
             return self._unusable(path, "truncated or corrupt (its digest does not match)")
         if header.get("verdict") == "stock":
-            return StoredKernel("stock", header.get("reason"), None)
+            return StoredKernel("stock", header.get("reason"), None, header.get("layout"))
         try:
             fn = load_artifact(blob)
         except Exception as e:  # noqa: BLE001 - a cache entry must never break a compile
             return self._unusable(path, f"not loadable ({type(e).__name__}: {e})")
         fn.artifact = blob
-        return StoredKernel("fused", None, fn)
+        return StoredKernel("fused", None, fn, header.get("layout"))
 
     def _unusable(self, path: Path, why: str) -> None:
         warnings.warn(f"cadence_fx compile cache: {path} is {why}; the region is compiled and "

@@ -208,11 +208,12 @@ def test_a_stored_kernel_met_at_another_layout_is_verified_again(tmp_path, monke
     fn = lambda *a: first.stock(*a)   # noqa: E731
     fn.artifact = b"code"
     monkeypatch.setattr(region_kernels, "load_artifact", lambda blob: lambda *a: first.stock(*a))
-    store.put(key, "fused", None, fn)
+    store.put(key, "fused", None, fn, layout=repr(fusion.layout_key([x, y])))
     loaded = _region(KernelStore(tmp_path), fusion.input_layout([x, y]))
     assert (loaded.state, loaded.loaded) == ("fused", True)
     assert torch.equal(loaded(x, y)[0], out[0]) and compiled == [(4, 3)]   # nothing compiled
-    # the same key claimed for a transposed input: its first call sees the layout differ
+    # a region traced at that layout but called at another (a fake value's strides that the
+    # real kernel does not give): its first call sees the layout differ
     xt = torch.randn(3, 4).t()
     moved = _region(KernelStore(tmp_path), fusion.input_layout([x, y]))
     assert moved.state == "fused"
@@ -250,3 +251,26 @@ def test_a_restart_on_the_device_captures_with_the_stored_kernels(tmp_path, monk
     assert k.traces == 0 and k.fallbacks == 0 and k.replays > 0
     assert k.fusions_loaded == k.fused_regions == cold.counters.fused_regions
     assert warm.backend.verifications == 0 and warm.backend.captured > 0
+
+
+def test_a_region_traced_at_another_layout_than_it_runs_at_still_loads(tmp_path, monkeypatch):
+    """A region is found by its traced layout's key and checked against the layout its verdict
+    was made at: where the trace's fake strides differ from the real kernels' (consistently, in
+    every process), a restart still loads it instead of verifying it again."""
+    compiled = []
+
+    def compile_region(module, args, graph=None):
+        compiled.append(1)
+        fn = lambda *a: module(*a)   # noqa: E731 - exact: the stock code itself
+        fn.artifact = b"code"
+        return fn
+    monkeypatch.setattr(fusion, "compile_region", compile_region)
+    monkeypatch.setattr(region_kernels, "load_artifact", lambda blob: lambda *a: (a[0] * a[1] + a[0],))
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    traced = fusion.input_layout([torch.randn(3, 4).t(), y])      # what the trace said
+    cold = _region(KernelStore(tmp_path), traced)
+    cold(x, y)
+    assert cold.state == "fused" and not cold.loaded and compiled == [1]
+    warm = _region(KernelStore(tmp_path), traced)
+    assert torch.equal(warm(x, y)[0], x * y + x)
+    assert (warm.state, warm.loaded, compiled) == ("fused", True, [1])   # nothing compiled again
