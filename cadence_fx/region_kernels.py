@@ -38,6 +38,7 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -125,19 +126,20 @@ def compile_artifact(module: torch.fx.GraphModule, args, numerics: dict) -> Call
     import torch._inductor
     import torch._inductor.config as config
     with config.patch(numerics), torch.no_grad():
-        try:
-            art = torch._inductor.standalone_compile(
-                module, list(args), dynamic_shapes="from_example_inputs", options={}, aot=True)
-            blob = art.serialize()
-        except (TypeError, AttributeError, NotImplementedError) as e:
-            # an older precompile API, or a graph it cannot serialize: compile as before
-            log.info("no precompiled artifact (%s: %s); compiled without one", type(e).__name__, e)
-            fn = torch._inductor.compile(module, list(args))
+        if "aot" not in inspect.signature(torch._inductor.standalone_compile).parameters:
+            fn = torch._inductor.compile(module, list(args))   # no precompiled artifact here
             fn.artifact = None
             return fn
-    # the artifact's own callable runs the code and kernel binaries it serialized
+        art = torch._inductor.standalone_compile(
+            module, list(args), dynamic_shapes="from_example_inputs", options={}, aot=True)
+    # the artifact's own callable runs the code and kernel binaries it serializes
     fn = functools.partial(_call, art)
-    fn.artifact = blob
+    try:
+        fn.artifact = art.serialize()
+    except Exception as e:  # noqa: BLE001 - it runs fused here; a later process compiles it again
+        log.info("a fused region's code cannot be serialized (%s: %s); not stored",
+                 type(e).__name__, e)
+        fn.artifact = None
     return fn
 
 
