@@ -1,9 +1,10 @@
-"""``cadence-fx``: inspect an adapter's catalog before any model runs, explain it, write the
-HTML report of a short stream, run the demo, or list and clear the persistent compile cache.
+"""cadence-fx: inspect an adapter's catalog before any model runs, explain it, write the HTML
+report of a short stream, run the demo, or list and clear the persistent compile cache.
 
-An adapter is named three ways: a registered name (``minicpmo-token2wav``), a module attribute
-(``pkg.module:NAME``) or an attribute of a Python file (``path/to/file.py:NAME``).
+An adapter is named three ways: a registered name (minicpmo-token2wav), a module attribute
+(pkg.module:NAME) or an attribute of a Python file (path/to/file.py:NAME).
 """
+# The docstring above is what cadence-fx --help prints: plain text, no reST markup.
 from __future__ import annotations
 
 import argparse
@@ -140,7 +141,7 @@ def _report(args) -> int:
         text = catalog_page(adapter)
     else:
         try:
-            text = _stream_report(args.model or "toy", args.chunks, args.verify)
+            text = _stream_report(args.model or "toy", args.chunks, args.verify, args.full)
         except (ValueError, RuntimeError, ImportError) as e:  # bad input, model not installed
             print(f"cadence-fx report: {e}", file=sys.stderr)
             return 2
@@ -150,9 +151,10 @@ def _report(args) -> int:
     return 0
 
 
-def _stream_report(model: str, chunks: Optional[int], verify: bool) -> str:
-    """Run a short stream of a demo model through its compiled steps on the CPU, keeping each
-    class's trace (for the code before the passes), and render the report of every step."""
+def _stream_report(model: str, chunks: Optional[int], verify: bool, full: bool = False) -> str:
+    """Run a short stream of a demo model through its compiled steps on the CPU (at the demo's
+    CPU size unless ``full``), keeping each class's trace (for the code before the passes), and
+    render the report of every step."""
     import torch
     from cadence_fx.demo_streams import BUILDERS
     from cadence_fx.report_html import page
@@ -160,7 +162,7 @@ def _stream_report(model: str, chunks: Optional[int], verify: bool) -> str:
         chunks = 16 if model == "toy" else 4
     if chunks < 4:
         raise ValueError("a demo stream needs at least 4 chunks (two turns of two)")
-    stream = BUILDERS[model](torch.device("cpu"), chunks)
+    stream = BUILDERS[model](torch.device("cpu"), chunks, full=full)
     if stream.prepare_compiled is not None:
         stream.prepare_compiled()
     for step in stream.steps.values():
@@ -178,7 +180,8 @@ def _demo(args) -> int:
     if not args.quiet:
         progress.show()
     try:
-        result = run_demo(model=args.model, device=args.device, chunks=args.chunks)
+        result = run_demo(model=args.model, device=args.device, chunks=args.chunks,
+                          full=args.full)
     except (ValueError, RuntimeError, ImportError) as e:  # bad input, no CUDA, model not installed
         print(f"cadence-fx demo: {e}", file=sys.stderr)
         return 2
@@ -188,7 +191,11 @@ def _demo(args) -> int:
         print(json.dumps(result, indent=2))
     else:
         for k, v in result.items():
-            print(f"{k:>22}: {v}")
+            if k == "timing":   # the CPU's times, nested: one line each
+                for tk, tv in v.items():
+                    print(f"{'timing.' + tk:>31}: {tv}")
+            else:
+                print(f"{k:>31}: {v}")
     return 0 if result["bit_exact"] else 1
 
 
@@ -234,18 +241,28 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="the demo stream to run and report (default: toy)")
     r.add_argument("--chunks", type=int, default=None,
                    help="chunks in the stream (default: 16 for the toy, 4 otherwise)")
+    r.add_argument("--full", action="store_true",
+                   help="the model's real configuration, as demo --full (token2wav: DiT depth "
+                        "16, encoder 6 + 4 blocks); default: the demo's CPU size")
     r.add_argument("--verify", action="store_true",
                    help="compile with the shadow auditor (its nodes show in the rewrites)")
     r.set_defaults(run=_report)
     d = sub.add_parser("demo", help="run a stream stock vs compiled and compare bit for bit")
     d.add_argument("--model", default="token2wav", choices=list(MODELS),
-                   help="token2wav (default, real configuration), moshi, freeze-omni, or toy")
+                   help="token2wav (default: the real MiniCPM-o 4.5 Token2Wav classes, random "
+                        "weights), moshi, freeze-omni, or toy")
     d.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    d.add_argument("--full", action=argparse.BooleanOptionalAction, default=None,
+                   help="the model's real configuration (token2wav: DiT depth 16, encoder 6 + 4 "
+                        "blocks; moshi: the 7B LM), the default on CUDA; on the CPU the default "
+                        "is a smaller one of the same code (token2wav: DiT depth 2, encoder 1 + 1; "
+                        "moshi: a 2-layer LM) that runs in about a minute")
     d.add_argument("--chunks", type=int, default=None,
                    help="chunks in the stream (default: 4 on the CPU, 16 on CUDA and for the toy)")
     d.add_argument("--json", action="store_true")
     d.add_argument("--quiet", action="store_true",
-                   help="no progress on stderr (which class is tracing, how long it took)")
+                   help="no progress on stderr (each chunk with what is left, which class is "
+                        "tracing and how long it took)")
     d.set_defaults(run=_demo)
     c = sub.add_parser("cache", help="list or clear the persistent compile cache")
     c.add_argument("action", choices=["ls", "clear"])

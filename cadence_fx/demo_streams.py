@@ -1,6 +1,8 @@
-"""The demo's streams, one per model: each builds the real model and returns a ``_Stream`` whose
-``stock(tick)`` and ``compiled(tick)`` run the stream once (``demo.run_demo`` times and compares
-them). Also the comparisons the benchmarks share: ``same_state`` and ``_clone``."""
+"""The demo's streams, one per model: ``BUILDERS[model](device, chunks, full=...)`` builds the real
+model and returns a ``_Stream`` whose ``stock(tick)`` and ``compiled(tick)`` run the stream once
+(``demo.run_demo`` times and compares them). ``full`` picks the model's real configuration where
+it has a smaller one for the CPU (Token2Wav, Moshi); ``None`` means full on CUDA, small on the
+CPU. Also the comparisons the benchmarks share: ``same_state`` and ``_clone``."""
 from __future__ import annotations
 
 import contextlib
@@ -70,10 +72,29 @@ def same_state(a, b) -> bool:
 
 # -- models ------------------------------------------------------------------------------------
 
-def _token2wav(dev, chunks) -> _Stream:
+def _full(dev, full: Optional[bool]) -> bool:
+    return dev.type == "cuda" if full is None else full
+
+
+# Token2Wav's sizes: the real one, and the CPU default -- the same classes and state layout (the
+# stock buffers keep 16 DiT slots at any depth), with one encoder block on each side of the
+# upsampling and two DiT blocks, so a first run on a laptop-class CPU takes under a minute.
+TOKEN2WAV_FULL = {"dit_depth": 16, "encoder_blocks": (6, 4)}
+TOKEN2WAV_SMALL = {"dit_depth": 2, "encoder_blocks": (1, 1)}
+
+
+def _describe(size) -> str:
+    return "DiT depth {}, conformer encoder {} + {} blocks".format(size["dit_depth"],
+                                                                 *size["encoder_blocks"])
+
+
+def _token2wav(dev, chunks, full: Optional[bool] = None) -> _Stream:
     import cadence_fx
+    from cadence_fx import adapters
     from .models.token2wav import FlowStep, HiFTStep, build_flow, build_hift, empty_hift_cache, prime_flow
-    depth, blocks = 16, (6, 4)
+    full = _full(dev, full)
+    size = TOKEN2WAV_FULL if full else TOKEN2WAV_SMALL
+    depth, blocks = size["dit_depth"], size["encoder_blocks"]
     flow = FlowStep(build_flow(depth, blocks=blocks, device=dev))
     hift = HiFTStep(build_hift(device=dev))
     spk, prompt = prime_flow(flow, device=dev)   # setup_cache: eager by construction
@@ -101,24 +122,26 @@ def _token2wav(dev, chunks) -> _Stream:
             outs.append(_clone((mel, pcm)))
         return outs
 
-    cflow = cadence_fx.compile(flow, "minicpmo-token2wav-flow")
+    adapter = adapters.get("minicpmo-token2wav-flow").with_clocks(conformer_layers=sum(blocks))
+    cflow = cadence_fx.compile(flow, adapter)
     chift = cadence_fx.compile(hift, "minicpmo-token2wav-hift")
     resident = sum(b.numel() * b.element_size() for m in (flow, hift) for b in m.buffers())
     return _Stream(
         stock=lambda tick: run(flow, hift, tick), compiled=lambda tick: run(cflow, chift, tick),
         steps={"flow": cflow, "hift": chift}, chunks=len(tokens),
-        config={"dit_depth": depth, "encoder_blocks": list(blocks), "n_timesteps": 10,
-                "prompt_frames": 302, "chunk_tokens": 28, "turns": 2,
-                "deterministic_kernels": dev.type == "cuda"},
+        config={"size": "full" if full else "small", "dit_depth": depth,
+                "encoder_blocks": list(blocks), "n_timesteps": 10, "prompt_frames": 302,
+                "chunk_tokens": 28, "turns": 2, "deterministic_kernels": dev.type == "cuda",
+                **({} if full else {"full_size": _describe(TOKEN2WAV_FULL)})},
         priming={"setup_cache": {"calls": 1, "eager": 1,
                                  "why": "cache-free prompt priming: no region state yet"}},
         extra={"resident_stock": resident})
 
 
-def _moshi(dev, chunks) -> _Stream:
+def _moshi(dev, chunks, full: Optional[bool] = None) -> _Stream:
     import cadence_fx
     from .models import moshi as M
-    small = dev.type != "cuda"
+    small = not _full(dev, full)
     mimi = M.build_mimi(device=dev)
     lm_gen = M.build_lm_gen(device=dev, seed=1, overrides=M.SMALL_LM if small else None,
                             dtype=torch.float32 if small else torch.bfloat16)
@@ -160,14 +183,16 @@ def _moshi(dev, chunks) -> _Stream:
         stream.steps["frame"] = holder["compiled"]
 
     stream = _Stream(stock=stock, compiled=compiled, steps={}, chunks=len(frames),
-                     config={"lm": "2-layer LM (SMALL_LM), fp32" if small else "7B LM (32 layers, 4096), bf16",
+                     config={"size": "small" if small else "full",
+                             "lm": "2-layer LM (SMALL_LM), fp32" if small else "7B LM (32 layers, 4096), bf16",
                              "mimi": "real (SEANet + 8+8 transformer layers, 8 codebooks), fp32",
-                             "frame_samples": 1920, "turns": 2},
+                             "frame_samples": 1920, "turns": 2,
+                             **({"full_size": "7B LM (32 layers, 4096), bf16"} if small else {})},
                      prepare_compiled=prepare)
     return stream
 
 
-def _freeze_omni(dev, chunks) -> _Stream:
+def _freeze_omni(dev, chunks, full: Optional[bool] = None) -> _Stream:   # one size
     import cadence_fx
     from .models.freeze_omni import REAL_CONFIG, FreezeOmniEncoder
     enc = FreezeOmniEncoder(**REAL_CONFIG).to(dev).eval()
@@ -190,10 +215,10 @@ def _freeze_omni(dev, chunks) -> _Stream:
     compiled = cadence_fx.compile(enc, "freeze-omni")
     return _Stream(stock=lambda tick: run(enc, tick), compiled=lambda tick: run(compiled, tick),
                    steps={"encoder": compiled}, chunks=len(feats),
-                   config=dict(REAL_CONFIG, turns=2))
+                   config={"size": "full", **REAL_CONFIG, "turns": 2})
 
 
-def _toy(dev, chunks) -> _Stream:
+def _toy(dev, chunks, full: Optional[bool] = None) -> _Stream:   # one size
     import cadence_fx
     from .models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
     model = PromptRetainedToy(dim=256, heads=4, layers=4).to(dev)
@@ -227,7 +252,8 @@ def _toy(dev, chunks) -> _Stream:
     stream = _Stream(stock=lambda tick: run(model, tick, "stock"),
                      compiled=lambda tick: run(compiled, tick, "compiled"),
                      steps={"step": compiled}, chunks=len(xs),
-                     config={"dim": 256, "heads": 4, "layers": 4, "widths": widths},
+                     config={"size": "full", "dim": 256, "heads": 4, "layers": 4,
+                             "widths": widths},
                      priming={"prompt": {"calls": 1, "eager": 1, "why": "no state yet"}})
     stream.extra["addresses"] = addresses
     stream.extra["resident_stock"] = sum(b.numel() * b.element_size() for b in model.buffers())
