@@ -43,12 +43,10 @@ from __future__ import annotations
 import datetime
 import hashlib
 import inspect
-import io
 import json
 import logging
 import os
 import pickle
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -57,6 +55,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.utils._pytree as pytree
 
+from .region_kernels import atomic_write as _atomic_write
 from .region_kernels import compiler_digest
 from .stored_class import attributes
 from .tracing import TracedStep, module_state_tensors
@@ -289,17 +288,6 @@ class CompileCache:
         warnings.warn(f"cadence_fx compile cache: {path} is {why}; the class is compiled again "
                       "and the entry rewritten", RuntimeWarning, stacklevel=4)
         return None
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with io.FileIO(fd, "w") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def entries(root=None) -> List[Dict]:

@@ -39,9 +39,11 @@ import dataclasses
 import functools
 import hashlib
 import inspect
+import io
 import json
 import logging
 import os
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Callable, Optional
@@ -157,6 +159,19 @@ def load_artifact(blob: bytes) -> Callable:
 
 
 # -- the store on disk ----------------------------------------------------------------------------
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file renamed into place: processes writing
+    at once leave one whole entry, never a mix (the compile cache's entries are written so too)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with io.FileIO(fd, "w") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 @dataclasses.dataclass
 class StoredKernel:
     verdict: str                      # "fused" | "stock"
@@ -216,9 +231,8 @@ class KernelStore:
             return
         header = {"format": FORMAT, "key": key, "verdict": verdict, "reason": reason,
                   "layout": layout, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
-        from .compile_cache import _atomic_write
         self.dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.path(key), json.dumps(header).encode() + b"\n" + blob)
+        atomic_write(self.path(key), json.dumps(header).encode() + b"\n" + blob)
         self._memory[key] = StoredKernel(verdict, reason, fn if verdict == "fused" else None, layout)
         self.stores += 1
 
