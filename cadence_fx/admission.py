@@ -37,6 +37,7 @@ class Admission:
                  strict: bool = False):
         self.adapter = adapter
         self.catalog = catalog
+        self._params = params   # the compiled step's dict: it grows with lazily made weights
         devices = {p.device for p in params.values()}
         self._weights_device = devices.pop() if len(devices) == 1 else None  # checked when one
         dtypes = {p.dtype for p in params.values() if p.is_floating_point()}
@@ -69,6 +70,10 @@ class Admission:
         any region state is the cache-free priming pass: a class of its own, keyed by its shapes."""
         if self.excluded:
             return self.excluded
+        if torch.is_grad_enabled():
+            grad = self._grad_reason(by_path)
+            if grad is not None:
+                return grad
         missing = [r.name for r in self.adapter.regions
                    if not isinstance(by_path.get(r.input), torch.Tensor)]
         if missing and len(missing) < len(self.adapter.regions):
@@ -107,6 +112,21 @@ class Admission:
                         f"{w} in `call_frames`, or an `admission` clock of at least {w} for "
                         "partial calls")
         return None
+
+    def _grad_reason(self, by_path) -> Optional[str]:
+        """With grad mode on, stock builds an autograd graph when a weight or an input requires
+        grad, and its results require grad; a compiled call keeps no graph. Such a call runs the
+        stock step (counted, with this reason), never a result with another ``requires_grad``."""
+        weight = next((n for n, p in self._params.items() if p.requires_grad), None)
+        arg = next((p for p, v in by_path.items()
+                    if isinstance(v, torch.Tensor) and v.requires_grad), None)
+        if weight is None and arg is None:
+            return None
+        what = f"weight {weight!r}" if weight is not None else f"input {arg!r}"
+        return (f"grad mode is on and {what} requires grad, so the stock step builds an autograd "
+                "graph (its results require grad), which a compiled call does not: the stock step "
+                "runs; call the step under torch.inference_mode() (or torch.no_grad()), or freeze "
+                "the weights with module.requires_grad_(False)")
 
     def _check_declared_keys(self, by_path) -> None:
         """A region path into a container the call has, naming a key it does not have, is a
