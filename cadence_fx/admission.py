@@ -76,8 +76,9 @@ class Admission:
                 return grad
         missing = [r.name for r in self.adapter.regions
                    if not isinstance(by_path.get(r.input), torch.Tensor)]
-        if missing and len(missing) < len(self.adapter.regions):
+        if missing:   # (a key the state does not hold is a misspelt path, not a priming pass)
             self._check_declared_keys(by_path)
+        if missing and len(missing) < len(self.adapter.regions):
             return (f"region(s) {missing} have no input state while the others have: a call "
                     "primes every region (the priming pass) or none; pass every region's state, "
                     "or none to prime")
@@ -130,7 +131,9 @@ class Admission:
 
     def _check_declared_keys(self, by_path) -> None:
         """A region path into a container the call has, naming a key it does not have, is a
-        declaration that does not fit the step (it would fall back on every call)."""
+        declaration that does not fit the step: it would fall back on every call, or, when no
+        region's key is found, pass for the priming pass. Checked at the first call that hands
+        the container over (compile time knows the step's arguments, not their keys)."""
         for r in self.adapter.regions:
             parent = r.input.rpartition(".")[0]
             if not parent or r.input in by_path:
@@ -140,8 +143,11 @@ class Admission:
                 present = [q.name for q in self.adapter.regions if q.input in by_path]
                 raise ContractError(
                     f"region {r.name!r} of adapter {self.adapter.name!r} reads {r.input!r}, but "
-                    f"the step's {parent!r} holds {keys}; compile with adapter.select("
-                    f"{', '.join(repr(n) for n in present)}) or fix the region's `input`")
+                    f"the step's {parent!r} holds {keys}; " + (
+                        f"compile with adapter.select({', '.join(repr(n) for n in present)}) or "
+                        "fix the region's `input`" if present else
+                        f"fix the region's `input` (to prime, pass {parent.split('.')[0]!r} as "
+                        "None, or the region's entry as None)"))
 
     def check_placement(self, by_path) -> None:
         """Region state and the call input must sit where the step's weights are. Floating region

@@ -118,7 +118,7 @@ class CompiledStep:
             return None, by_path, reason
         if self.options.state_rule:
             for r in self.adapter.regions:
-                if r.input in by_path and r.fixed_address:
+                if isinstance(by_path.get(r.input), torch.Tensor) and r.fixed_address:
                     by_path[r.input] = self.admission.absorb(r, by_path[r.input], self.carries,
                                                              self.counters, adopt=self.donate_state)
         key = self._signature(by_path, spec)

@@ -414,3 +414,39 @@ def test_an_envelope_naming_no_buffer_is_refused_at_compile_time_with_the_buffer
         region, envelope="toy.att_cache_buffer"),))
     assert cadence_fx.compile(holder.toy.forward, dotted, module=holder).counters.calls == 0
     assert cadence_fx.compile(PromptRetainedToy(), PROMPT_RETAINED_ADAPTER).counters.calls == 0
+
+
+def test_a_misspelt_state_key_is_refused_at_the_first_call_that_hands_the_state_over():
+    """compile time sees the step's arguments, not the keys of a state dict: a misspelt
+    argument is refused there, a misspelt key at the first call that passes the state. With one
+    region, no key found once passed for a priming pass (a class compiled on every call)."""
+    import dataclasses
+
+    from cadence_fx.errors import ContractError
+    from cadence_fx.models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
+    (region,) = PROMPT_RETAINED_ADAPTER.regions
+    for path in ("cahce.att", "cache.atr"):
+        bad = dataclasses.replace(PROMPT_RETAINED_ADAPTER, regions=(dataclasses.replace(
+            region, input=path),))
+        if path.startswith("cahce"):
+            with pytest.raises(ContractError, match=r"region 'att' reads 'cahce.att', but the "
+                                                    r"step's arguments are \['x', 'cache'\]"):
+                cadence_fx.compile(PromptRetainedToy(), bad)
+            continue
+        compiled = cadence_fx.compile(PromptRetainedToy(), bad)
+        with torch.no_grad():
+            y, state = compiled(torch.randn(1, 24, 64), None)   # priming: no state to check
+            with pytest.raises(ContractError, match=r"region 'att' of adapter 'toy-prompt-retained' "
+                                                    r"reads 'cache.atr', but the step's 'cache' "
+                                                    r"holds \['att'\]; fix the region's `input` "
+                                                    r"\(to prime, pass 'cache' as None"):
+                compiled(torch.randn(1, 8, 64), state)
+        k = compiled.counters
+        assert (k.calls, k.compiled_calls, k.traces, k.fallbacks) == (2, 1, 1, 0)
+    # the right key: a state whose entry is None primes too (the None is no state to absorb)
+    compiled = cadence_fx.compile(PromptRetainedToy(), PROMPT_RETAINED_ADAPTER)
+    with torch.no_grad():
+        y, state = compiled(torch.randn(1, 24, 64), {"att": None})
+        compiled(torch.randn(1, 8, 64), state)
+    k = compiled.counters
+    assert (k.calls, k.compiled_calls, k.traces, k.fallbacks) == (2, 2, 2, 0)
