@@ -30,7 +30,8 @@ ESTIMATOR_ATT = Region(
     name="estimator_att_cache", input="cache.estimator_att_cache", output="1.estimator_att_cache",
     dim=4, retention=PromptRetained("f_prompt", "f_retained"), advance="f_chunk", ordering=PREPEND,
     shape=("n_steps", "dit_depth", "cfg_batch", "heads", None, "kv_width"),
-    stock_shape=("stock_steps", 16, "cfg_batch", "heads", "stock_frames", "kv_width"),
+    # the stock envelope holds a row per DiT block (16 in the real configuration)
+    stock_shape=("stock_steps", "dit_depth", "cfg_batch", "heads", "stock_frames", "kv_width"),
     # the 56-frame last call is written into the envelope before retention: declared, because the
     # flow step counts its calls in tokens, from which the default room cannot be read
     envelope="att_cache_buffer", room="f_call")
@@ -38,7 +39,7 @@ ESTIMATOR_CNN = Region(
     name="estimator_cnn_cache", input="cache.estimator_cnn_cache", output="1.estimator_cnn_cache",
     dim=4, retention=Ring("cnn_context"), advance="f_chunk", ordering=APPEND,
     shape=("n_steps", "dit_depth", "cfg_batch", "conv_channels", None),
-    stock_shape=("stock_steps", 16, "cfg_batch", "conv_channels", "cnn_context"),
+    stock_shape=("stock_steps", "dit_depth", "cfg_batch", "conv_channels", "cnn_context"),
     envelope="cnn_cache_buffer")
 CONFORMER_ATT = Region(
     name="conformer_att_cache", input="cache.conformer_att_cache", output="1.conformer_att_cache",

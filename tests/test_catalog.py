@@ -221,3 +221,28 @@ def test_room_on_a_ring_is_refused_with_the_fix():
                                             r"'W' and holds no room; remove `room`"):
         _room_adapter(Ring("W"), room="one").validate()
     assert build_catalog(_room_adapter(Ring("W"))).region("k").room == 0
+
+
+@pytest.mark.parametrize("name", adapters.names())
+def test_no_literal_where_the_adapter_has_a_clock(name):
+    """A size written as a literal in ``shape`` or ``stock_shape`` where the other names a clock
+    of that value (Token2Wav's envelope had the DiT depth as 16 beside ``dit_depth``): changing
+    the clock would leave the literal behind."""
+    adapter = adapters.get(name)
+    for r in adapter.regions:
+        if r.stock_shape is None:
+            continue
+        for i, (d, s) in enumerate(zip(r.shape, r.stock_shape)):
+            for literal, other in ((d, s), (s, d)):
+                if isinstance(literal, int) and isinstance(other, str):
+                    assert adapter.clocks[other] != literal, (
+                        f"region {r.name!r} dim {i}: literal {literal} beside clock {other!r}")
+
+
+def test_token2wav_envelopes_follow_the_dit_depth():
+    t2w = adapters.get("minicpmo-token2wav")
+    shallow = build_catalog(t2w.with_clocks(dit_depth=2))
+    for region in ("estimator_att_cache", "estimator_cnn_cache"):
+        deep = build_catalog(t2w).region(region)
+        assert shallow.region(region).stock_bytes * 8 == deep.stock_bytes
+        assert shallow.region(region).declared_bytes * 8 == deep.declared_bytes
