@@ -254,6 +254,9 @@ class Adapter:
                                     f"{r.retention.window!r}, so extents would never reach the "
                                     "window; lower `start` to at most the window, or leave it out "
                                     "for a window that starts empty")
+        self._validate_shapes(r, where)
+
+    def _validate_shapes(self, r: Region, where: str) -> None:
         if r.shape:
             if not 0 <= r.dim < len(r.shape):
                 raise ContractError(f"{where}: frame dim {r.dim} outside its {len(r.shape)}-d "
