@@ -47,7 +47,7 @@ def load_adapter(spec: str):
         except Exception as e:  # noqa: BLE001 - any error in the user's file, named
             sys.modules.pop(name, None)
             raise ContractError(f"adapter {spec!r}: loading {where} failed: "
-                                f"{type(e).__name__}: {e}") from e
+                                f"{type(e).__name__}: {e}; fix the file, or give {forms}") from e
     else:
         where = f"module {source!r}"
         try:
@@ -57,12 +57,14 @@ def load_adapter(spec: str):
                                 f"{type(e).__name__}: {e}; give {forms}") from e
     if not hasattr(module, attr):
         found = sorted(k for k, v in vars(module).items() if isinstance(v, Adapter))
-        raise ContractError(f"adapter {spec!r}: {where} has no attribute {attr!r} (adapters "
-                            f"there: {', '.join(found) or 'none'})")
+        raise ContractError(f"adapter {spec!r}: {where} has no attribute {attr!r}; give one of "
+                            f"its adapters ({', '.join(found) or 'it has none'}) after the ':', "
+                            f"or {forms}")
     adapter = getattr(module, attr)
     if not isinstance(adapter, Adapter):
         raise ContractError(f"adapter {spec!r}: {attr!r} in {where} is a "
-                            f"{type(adapter).__name__}, not a cadence_fx.Adapter")
+                            f"{type(adapter).__name__}, not a cadence_fx.Adapter; name an "
+                            f"Adapter instance after the ':', or give {forms}")
     return adapter.validate()
 
 

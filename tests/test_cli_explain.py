@@ -133,13 +133,13 @@ def test_bad_file_specs(capsys, adapter_file, tmp_path):
     missing = tmp_path / "missing.py"
     assert "does not exist" in _error(capsys, ["explain", f"{missing}:MINE"])
     err = _error(capsys, ["analyze", f"{adapter_file}:NOPE"])
-    assert "has no attribute 'NOPE'" in err and "adapters there: MINE" in err
+    assert "has no attribute 'NOPE'; give one of its adapters (MINE)" in err
     err = _error(capsys, ["analyze", f"{adapter_file}:NOT_AN_ADAPTER"])
-    assert "is a int, not a cadence_fx.Adapter" in err
+    assert "is a int, not a cadence_fx.Adapter; name an Adapter instance" in err
     broken = tmp_path / "broken.py"
     broken.write_text("x = 1 / 0\n")
     err = _error(capsys, ["explain", f"{broken}:X"])
-    assert "loading file" in err and "ZeroDivisionError" in err
+    assert "loading file" in err and "ZeroDivisionError" in err and "fix the file" in err
     out = tmp_path / "never.html"
     assert "does not exist" in _error(capsys, ["report", f"{missing}:MINE", "--html", str(out)])
     assert not out.exists()
