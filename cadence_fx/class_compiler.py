@@ -102,7 +102,8 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
         _store_trace(cs, key)
         progress.note("%s: runs the stock step (%s)", label, e)
         return None
-    fusion.resolve_regions(gm, getattr(cs, "kernel_store", None))   # verdicts stored by an earlier process
+    # fused regions take the code and verdicts an earlier class or process stored
+    fusion.resolve_regions(gm, getattr(cs, "kernel_store", None))
     # Buffers the rewritten step still writes get a private copy: the user's module is never
     # written by the compiled path (envelopes replaced by carries are gone by now).
     newly_replaced = written_before - {spec.name for spec in ctx.inputs if spec.kind == "buffer"}

@@ -107,7 +107,8 @@ def environment(device_index: int = 0) -> tuple:
         triton = None
     gpu = None
     if torch.cuda.is_available():
-        gpu = (torch.cuda.get_device_name(device_index), torch.cuda.get_device_capability(device_index))
+        gpu = (torch.cuda.get_device_name(device_index),
+               torch.cuda.get_device_capability(device_index))
     return (("gpu", gpu), ("driver", _driver_version()), ("cuda", torch.version.cuda),
             ("torch", torch.__version__), ("triton", triton))
 

@@ -179,7 +179,8 @@ def thaw(cs, payload: dict, label: str) -> dict:
                 retentions=payload["retentions"], traced_nodes=payload["traced_nodes"])
 
 
-_IMPORTED: Dict[str, dict] = {}   # import block -> the globals it makes (thousands of regions share a few)
+# import block -> the globals it makes (thousands of regions share a few blocks)
+_IMPORTED: Dict[str, dict] = {}
 
 
 def _globals(imports: str) -> dict:
