@@ -3,14 +3,16 @@
 ``prepare`` compiles the class of one example call; ``capture_catalog`` re-cuts one example to every
 class of the catalog and prepares each (each class's time goes to ``cadence_fx.progress``).
 Neither is traffic: carries, private buffers, arguments, generators and counters are left exactly
-as they were.
+as they were. What they did is returned instead: ``capture_catalog`` gives a ``Preparation``, per
+class how it came (traced, loaded from the compile cache, or compiled before) and the graphs it
+captured, the compile work in counters' terms, and what the adapter admits that it did not prepare.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import time
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -19,12 +21,19 @@ from . import progress
 from .effects import RngSnapshot, TensorSnapshot
 from .tracing import bind_arguments, leaves_with_paths
 
-__all__ = ["prepare", "capture_catalog"]
+__all__ = ["Preparation", "prepare", "capture_catalog"]
+
+# the counters a compile moves (the others count traffic): reported by ``capture_catalog``
+WORK = ("traces", "cache_loads", "compiled_loads", "copied_calls", "fused_regions",
+        "fusions_refused", "fusions_loaded")
 
 
-def prepare(cs, args, kwargs) -> bool:
-    """Trace and capture the class of this call to the compiled step ``cs``, leaving every carry, buffer, argument and
-    generator as it was. Returns whether the class is compiled."""
+def prepare(cs, args, kwargs, work: Optional[Dict[str, int]] = None) -> bool:
+    """Trace and capture the class of this call to the compiled step ``cs``, leaving every carry,
+    buffer, argument, generator and counter as it was. Returns whether the class is compiled;
+    ``work``, when given, gets the compile counters' increments (``WORK``) and ``graphs``, the
+    device graphs captured."""
+    graphs = getattr(cs.backend, "captured", 0)
     snapshot = TensorSnapshot([c.tensor for c in cs.carries.values()] + list(cs._private.values()))
     rng, counters = RngSnapshot(), copy.deepcopy(cs.counters)
     handed_out = {name: c.handed_out for name, c in cs.carries.items()}
@@ -45,6 +54,10 @@ def prepare(cs, args, kwargs) -> bool:
         cs.donate_state = donate
         snapshot.restore()
         rng.restore()
+        if work is not None:
+            for f in WORK:
+                work[f] = work.get(f, 0) + getattr(cs.counters, f) - getattr(counters, f)
+            work["graphs"] = work.get("graphs", 0) + getattr(cs.backend, "captured", 0) - graphs
         for f in dataclasses.fields(counters):  # preparing is not traffic: counters stay put
             setattr(cs.counters, f.name, getattr(counters, f.name))
         for name, c in cs.carries.items():      # nor is what it handed out
@@ -52,18 +65,44 @@ def prepare(cs, args, kwargs) -> bool:
     return entry is not None
 
 
-def capture_catalog(cs, args, kwargs) -> Dict[Tuple, bool]:
+class Preparation(dict):
+    """What ``capture_catalog`` did. As a dict, ``{(extents, width): compiled}``. ``rows``: per
+    class, ``how`` it came (``traced``, ``loaded`` compiled from the compile cache, ``loaded
+    trace`` then its passes, ``compiled before``, or ``stock: <reason>``), the device ``graphs``
+    captured and the ``seconds``. ``work``: the compile counters it moved (``WORK``; the step's
+    own counters are left as they were, since preparing is not traffic). ``not_prepared``: what
+    the adapter admits that it did not prepare, each with why and how to."""
+
+    rows: List[dict]
+    work: Dict[str, int]
+    not_prepared: List[str]
+
+    def __str__(self) -> str:
+        work = ", ".join(f"{k} {v}" for k, v in self.work.items() if v)
+        lines = [f"{len(self)} classes, {sum(self.values())} compiled" + (f"; {work}" if work else "")]
+        lines += [f"  {r['class']}: {r['how']}, {r['graphs']} graphs, {r['seconds']:.2f} s"
+                  for r in self.rows]
+        lines += [f"  not prepared: {why}" for why in self.not_prepared]
+        return "\n".join(lines)
+
+
+def capture_catalog(cs, args, kwargs) -> Preparation:
     """Compile every class of the catalog from one example call (see
-    ``CompiledStep.capture_catalog``). Returns ``{(extents, width): compiled}``."""
+    ``CompiledStep.capture_catalog``). Returns a ``Preparation``: ``{(extents, width): compiled}``
+    with what it did."""
     named = bind_arguments(cs._arguments, args, kwargs)
+    done = Preparation()
+    done.rows, done.work, done.not_prepared = [], {}, _not_prepared(cs.adapter)
     if cs.admission.excluded:   # Criterion 3.5: every class runs stock, none is prepared (re-cut
-        return dict.fromkeys(cs.catalog.classes, False)   # examples would span the whole window)
+        done.update(dict.fromkeys(cs.catalog.classes, False))   # examples span the whole window)
+        done.rows = [{"class": c, "how": f"stock: {cs.admission.excluded}", "graphs": 0,
+                      "seconds": 0.0} for c in cs.catalog.classes]
+        return done
     by_path = dict(leaves_with_paths(named)[0])
     ad = cs.adapter
     x = by_path.get(ad.call_input) if ad.call_input else None
     width = x.shape[ad.call_dim] if isinstance(x, torch.Tensor) else None
     regions = {r.input for r in ad.regions}
-    done = {}
     for i, (extents, w) in enumerate(cs.catalog.classes):
         start = time.perf_counter()
         synth = dict(by_path)
@@ -80,11 +119,49 @@ def capture_catalog(cs, args, kwargs) -> Dict[Tuple, bool]:
                     size = list(t.shape)
                     size[ad.call_dim] = w
                     synth[path] = torch.zeros(size, dtype=t.dtype, device=t.device)
-        done[(extents, w)] = prepare(cs, (), _replace_leaves(named, synth))
-        progress.note("class %d/%d %s: %s in %.1f s", i + 1, len(cs.catalog.classes),
-                      (extents, w), "ready" if done[(extents, w)] else "not prepared",
-                      time.perf_counter() - start)
+        work: Dict[str, int] = {}
+        done[(extents, w)] = prepare(cs, (), _replace_leaves(named, synth), work)
+        row = {"class": (extents, w), "how": _how(cs, (extents, w), done[(extents, w)], work),
+               "graphs": work["graphs"], "seconds": time.perf_counter() - start}
+        done.rows.append(row)
+        for k, v in work.items():
+            done.work[k] = done.work.get(k, 0) + v
+        progress.note("class %d/%d %s: %s, %d graphs, in %.1f s", i + 1, len(cs.catalog.classes),
+                      (extents, w), row["how"], row["graphs"], row["seconds"])
     return done
+
+
+def _how(cs, cls: Tuple, compiled: bool, work: Dict[str, int]) -> str:
+    """How the class came: made here (traced, loaded), compiled before, or left stock (why)."""
+    if not compiled:
+        reason = next((r for k, r in cs._rejected.items() if k[0] == cls), None)
+        return f"stock: {reason}" if reason else "stock"
+    if work["traces"]:
+        return "traced"
+    if work["compiled_loads"]:
+        return "loaded"
+    if work["cache_loads"]:
+        return "loaded trace"
+    return "compiled before"
+
+
+def _not_prepared(adapter) -> List[str]:
+    """What the adapter admits beyond the catalog's classes, which one example cannot make."""
+    out = []
+    if adapter.regions:
+        out.append("the priming pass (a call without region state): a class of its own, keyed by "
+                   "the prompt's shapes, which the adapter does not declare; call "
+                   "`prepare(prompt, ...)` with a prompt example and no region state")
+    if adapter.admission is not None:
+        bound = adapter.clock(adapter.admission)
+        widths = set(adapter.call_widths())
+        partial = [f for f in range(1, bound + 1) if f not in widths]
+        if partial:
+            out.append(f"partial flushes of {partial[0]}..{partial[-1]} frames admitted by "
+                       f"`frames <= {adapter.admission}` ({bound}) but not among the call widths "
+                       f"{sorted(widths)}: each width is a class of its own; call `prepare` with an "
+                       "example of each width the server sends")
+    return out
 
 
 def _replace_leaves(named, by_path):

@@ -194,7 +194,7 @@ class CompiledStep:
         buffer, argument and generator as it was. Returns whether the class is compiled."""
         return _prepare.prepare(self, args, kwargs)
 
-    def capture_catalog(self, *args, **kwargs) -> Dict[Tuple, bool]:
+    def capture_catalog(self, *args, **kwargs) -> "_prepare.Preparation":
         """Compile every class of the catalog before the first chunk, from one example call.
 
         The example's region inputs are re-cut to each class's extents (views of the carry) and
@@ -202,7 +202,11 @@ class CompiledStep:
         ``call_dim`` -- is re-made at each declared call width (contiguous, zero-filled). State,
         generators and counters are left as they were. Call it under the same modes as the
         traffic (``inference_mode``/``no_grad``, autocast): they are part of every signature.
-        Returns ``{(extents, width): compiled}``.
+        Returns a ``prepare.Preparation``: ``{(extents, width): compiled}``, with per class how it
+        came (traced, loaded from the compile cache, compiled before) and the graphs it captured
+        (``rows``), the compile counters it moved (``work``: the step's counters are left as they
+        were, preparing is not traffic), and what the adapter admits that one example cannot
+        prepare (``not_prepared``: the priming pass, partial flushes), with how to; ``print`` it.
         """
         return _prepare.capture_catalog(self, args, kwargs)
 

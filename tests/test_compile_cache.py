@@ -453,10 +453,21 @@ def test_a_restarted_server_captures_its_whole_catalog_from_the_cache(tmp_path):
     with torch.no_grad():
         done = first.capture_catalog(x, state)
     assert len(done) == 6 and all(done.values()) and len(_entries(tmp_path)) == 6
+    # what it did is returned (the step's counters stay as they were: preparing is not traffic)
+    assert [r["how"] for r in done.rows] == ["traced"] * 6 and done.work["traces"] == 6
+    assert first.counters.traces == 0
     restarted = cadence_fx.compile(PromptRetainedToy(), PROMPT_RETAINED_ADAPTER, cache_dir=tmp_path)
     with torch.no_grad():
-        assert restarted.capture_catalog(x, state) == done
-    # (capture_catalog leaves the counters as they were: the entries say how each class came)
+        again = restarted.capture_catalog(x, state)
+    assert again == done
+    assert [r["how"] for r in again.rows] == ["loaded"] * 6
+    assert (again.work["traces"], again.work["compiled_loads"]) == (0, 6)
+    assert str(again).startswith("6 classes, 6 compiled;") and "compiled_loads 6" in str(again)
+    # the priming pass and the partial flushes the admission clock lets in are named, with how
+    assert [why.split(" (")[0].split(" of ")[0] for why in again.not_prepared] == [
+        "the priming pass", "partial flushes"]
+    with torch.no_grad():
+        assert [r["how"] for r in restarted.capture_catalog(x, state).rows] == ["compiled before"] * 6
     from cadence_fx.stored_class import CodeModule
     assert len(restarted.classes) == 6
     assert all(isinstance(e.gm, CodeModule) and e.traced.loaded and e.records["probe_s"] == 0.0
