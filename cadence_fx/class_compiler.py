@@ -44,6 +44,7 @@ class ClassEntry:
     writes: int
     retentions: int
     traced_nodes: int = 0            # nodes of the graph as traced, before the passes
+    materializations: int = 0        # carry writes copying the whole new state, per call
 
 
 def compile_class(cs, key, named) -> Optional[ClassEntry]:
@@ -120,8 +121,10 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
         key=key, gm=gm, inputs=ctx.inputs, traced=traced, records=ctx.records,
         out_regions={b.region.name: b.out_index for b in bindings if b.out_index is not None},
         writes=len(writes), retentions=sum(w["kind"] == "retention" for w in writes),
+        materializations=sum(w["kind"] == "materialize" for w in writes),
         traced_nodes=len(traced.gm.graph.nodes))
     cs.classes[key] = entry
+    _warn_room(cs, key, writes)
     if cs.compile_cache is not None:
         _store_compiled(cs, entry, private, newly_replaced,
                         {b.region.name: carry_like(b.carry.tensor) for b in bindings})
@@ -131,6 +134,18 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
                   "loaded from the compile cache" if traced.loaded else f"traced {traced.seconds:.1f} s",
                   len(traced.gm.graph.nodes), probe_s, sum(p["seconds"] for p in ctx.records["passes"]))
     return entry
+
+
+def _warn_room(cs, key, writes) -> None:
+    """A region copied whole in a class where more room would have kept it in place: warned
+    once per region, with the class and the room it needs."""
+    for w in writes:
+        if w["kind"] == "materialize" and "give the region `room`" in w["detail"] \
+                and ("room", w["region"]) not in cs._warned:
+            cs._warned.add(("room", w["region"]))
+            log.warning("region %r is copied whole on every call of class %s (materialized) where "
+                        "room would keep it in place: %s", w["region"], key[0],
+                        w["detail"].split("because ", 1)[-1])
 
 
 def _keep_buffers(cs, key, records, replaced: set, newly_replaced, private) -> None:
@@ -181,6 +196,7 @@ def _load_compiled(cs, key, named, replaced: set, label: str) -> Optional[ClassE
     _keep_buffers(cs, key, entry.records, replaced, payload["replaced"], payload["private"])
     entry.records["load_s"] = time.perf_counter() - start
     cs.classes[key] = entry
+    _warn_room(cs, key, entry.records["rewrites"])
     cs.counters.cache_loads += 1
     cs.counters.compiled_loads += 1
     found = fusion.regions(entry.gm)

@@ -23,6 +23,7 @@ class Counters:
     absorptions: int = 0      # foreign state copied into a carry (first call, turn resets)
     adoptions: int = 0        # donated states that became their region's carry (donate_state)
     retentions: int = 0       # retention writes applied to a carry
+    materializations: int = 0  # carry writes that copy the whole new state (no in-place form)
     applications: int = 0     # carry writes of any kind (retention, append, materialize)
     traces: int = 0           # signatures traced
     cache_loads: int = 0      # signatures loaded from the persistent compile cache, not traced

@@ -168,6 +168,7 @@ class CompiledStep:
         self.counters.compiled_calls += 1
         self.counters.applications += entry.writes
         self.counters.retentions += entry.retentions
+        self.counters.materializations += entry.materializations
         return pytree.tree_unflatten(leaves, t.out_spec)
 
     def _eager(self, reason: str, args, kwargs):

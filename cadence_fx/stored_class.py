@@ -76,6 +76,7 @@ def freeze(cs, entry, *, private: List[str], replaced: List[str],
         "module": _freeze_module(entry.gm, state),
         "inputs": list(entry.inputs), "records": records, "out_regions": dict(entry.out_regions),
         "writes": entry.writes, "retentions": entry.retentions,
+        "materializations": entry.materializations,
         "traced_nodes": entry.traced_nodes,
         "traced": {"out_spec": pytree.treespec_dumps(t.out_spec), "out_paths": t.out_paths,
                    "out_constants": t.out_constants, "out_tensor_index": t.out_tensor_index,
@@ -176,7 +177,8 @@ def thaw(cs, payload: dict, label: str) -> dict:
     records["probe_s"] = 0.0
     return dict(gm=gm, inputs=list(payload["inputs"]), traced=traced, records=records,
                 out_regions=payload["out_regions"], writes=payload["writes"],
-                retentions=payload["retentions"], traced_nodes=payload["traced_nodes"])
+                retentions=payload["retentions"], traced_nodes=payload["traced_nodes"],
+                materializations=payload.get("materializations", 0))
 
 
 # import block -> the globals it makes (thousands of regions share a few blocks)

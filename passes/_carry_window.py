@@ -131,7 +131,7 @@ def rewrite_window(gm: GraphModule, b: RegionBinding, w: Window, keep_stock: boo
                 break
     if l + c > E and not move_first:
         return (f"{w.cat.name} holds {l + c} frames before the window drops any, but the carry "
-                f"holds {E}; give the region `room` for a call's frames")
+                f"holds {E}; give the region `room` for a call's frames ({l + c - E} more)")
     saved = {n: n.meta.get("val") for n in gm.graph.nodes}
     added = []
     with gm.graph.inserting_before(w.cat.next):

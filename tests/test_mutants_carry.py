@@ -787,7 +787,7 @@ def test_a_window_without_room_is_a_near_miss_of_its_region_with_the_reason():
         assert torch.equal(y, y_ref) and torch.equal(ours, ref)
     (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
     why = ("cat holds 6 frames before the window drops any, but the carry holds 5; give the "
-           "region `room` for a call's frames")
+           "region `room` for a call's frames (1 more)")
     assert steady.records["near_misses"] == [{"kind": "near_miss", "region": "k", "detail": why}]
     assert steady.records["rewrites"] == [
         {"kind": "materialize", "region": "k",
@@ -878,7 +878,7 @@ def test_a_stacked_part_without_room_is_a_near_miss_and_the_state_is_copied_with
     miss naming the part and the reason; the state is copied once, the record repeating it."""
     records = _stacked_stream("full", room="one")
     why = ("part [0]: cat holds 6 frames before the window drops any, but the carry holds 5; "
-           "give the region `room` for a call's frames")
+           "give the region `room` for a call's frames (1 more)")
     assert records[4]["near_misses"] == [{"kind": "near_miss", "region": "kv", "detail": why}]
     assert records[4]["rewrites"] == [
         {"kind": "materialize", "region": "kv",

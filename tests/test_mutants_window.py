@@ -334,7 +334,7 @@ def test_a_window_without_room_for_a_call_names_the_frames_it_would_hold():
     assert _records(compiled)[W] == [(
         "materialize", "new state (6 frames) written into C[:6]: copied once, because cat holds 8 "
         "frames before the window drops any, but the carry holds 7; give the region `room` for a "
-        "call's frames")]
+        "call's frames (1 more)")]
 
 
 VIEW_ERROR = ("RuntimeError: view size is not compatible with input tensor's size and stride (at "

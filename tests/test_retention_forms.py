@@ -117,9 +117,10 @@ def test_the_shadow_auditor_checks_every_window_write(form):
     assert compiled.auditor.comparisons["k"] == len(xs) == compiled.counters.compiled_calls
 
 
-def test_a_window_without_room_is_copied_with_the_reason():
+def test_a_window_without_room_is_copied_with_the_reason(caplog):
     """A region declaring less room than a call adds cannot append in place once the window is
-    full: that class copies its state once (materialize), and the report says why."""
+    full: that class copies its state once (materialize), the report says why, a warning says so
+    once with the room it needs, and the counters show the copies beside the retentions."""
     base = _adapter(APPEND)
     region = dataclasses.replace(base.regions[0], room="one")
     adapter = dataclasses.replace(base, clocks={**base.clocks, "one": 1}, regions=(region,))
@@ -133,6 +134,11 @@ def test_a_window_without_room_is_copied_with_the_reason():
     (write,) = [w for w in entry.records["rewrites"] if w["region"] == "k"]
     assert write["kind"] == "materialize" and "give the region `room`" in write["detail"]
     assert compiled.counters.fallbacks == 0
+    warned = [r.getMessage() for r in caplog.records if "copied whole" in r.getMessage()]
+    assert len(warned) == 1 and "region 'k'" in warned[0] and f"class (({W},), 2)" in warned[0]
+    assert "more)" in warned[0]
+    k = compiled.counters
+    assert k.materializations > 0 and k.applications >= k.retentions + k.materializations
 
 
 class StridedReader(nn.Module):
