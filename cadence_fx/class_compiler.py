@@ -78,33 +78,40 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
     cs._params.update(cs.module.named_parameters())
     cs._buffers.update(cs.module.named_buffers())
     if reason is not None:
-        log.warning("class %s rejected: %s", key[0], reason)
-        cs._rejected[key] = reason
-        _store_trace(cs, key)
-        progress.note("%s: runs the stock step (%s)", label, reason)
-        return None
-    gm = traced.gm
-    inputs = list(traced.inputs)
+        return _reject(cs, key, label, f"class {key[0]} rejected: {reason}", reason)
     bindings = _bind_regions(cs, traced)
-    written_before = {spec.name for spec in written_inputs(gm, inputs) if spec.kind == "buffer"}
-    ctx = PassContext(adapter=cs.adapter, class_key=key[0], inputs=inputs, regions=bindings,
-                      module_buffers=cs._buffers, verify=cs.verify, auditor=cs.auditor,
-                      backend=cs.backend, counters=cs.counters, strict=cs.strict,
-                      constant_ids=cs._constant_ids,
+    written_before = {spec.name for spec in written_inputs(traced.gm, traced.inputs)
+                      if spec.kind == "buffer"}
+    ctx = PassContext(adapter=cs.adapter, class_key=key[0], inputs=list(traced.inputs),
+                      regions=bindings, module_buffers=cs._buffers, verify=cs.verify,
+                      auditor=cs.auditor, backend=cs.backend, counters=cs.counters,
+                      strict=cs.strict, constant_ids=cs._constant_ids,
                       alias_state=cs.options.alias_state and not cs.options.state_rule)
     ctx.records["probe_s"] = probe_s
     try:
-        gm = run_pipeline(gm, ctx, cs._pipeline)
+        gm = run_pipeline(traced.gm, ctx, cs._pipeline)
     except PassFailed as e:
         if cs.strict:
             raise
-        log.warning("class %s runs the stock step: %s", key[0], e)
-        cs._rejected[key] = str(e)
-        _store_trace(cs, key)
-        progress.note("%s: runs the stock step (%s)", label, e)
-        return None
+        return _reject(cs, key, label, f"class {key[0]} runs the stock step: {e}", str(e))
     # fused regions take the code and verdicts an earlier class or process stored
     fusion.resolve_regions(gm, getattr(cs, "kernel_store", None))
+    return _enter(cs, key, label, traced, gm, ctx, bindings, replaced, written_before)
+
+
+def _reject(cs, key, label: str, logged: str, reason: str) -> None:
+    """The class runs the stock step, with ``reason``; its trace is kept for the compile cache."""
+    log.warning("%s", logged)
+    cs._rejected[key] = reason
+    _store_trace(cs, key)
+    progress.note("%s: runs the stock step (%s)", label, reason)
+    return None
+
+
+def _enter(cs, key, label: str, traced, gm, ctx, bindings, replaced: set,
+           written_before: set) -> ClassEntry:
+    """The class entry of a rewritten graph: its buffers kept private, its staging predicted,
+    its carry writes counted; recorded in ``cs.classes`` and the compile cache."""
     # Buffers the rewritten step still writes get a private copy: the user's module is never
     # written by the compiled path (envelopes replaced by carries are gone by now).
     newly_replaced = written_before - {spec.name for spec in ctx.inputs if spec.kind == "buffer"}
@@ -132,7 +139,8 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
              traced.seconds)
     progress.note("%s: %s (%d nodes), probe %.1f s, passes %.1f s", label,
                   "loaded from the compile cache" if traced.loaded else f"traced {traced.seconds:.1f} s",
-                  len(traced.gm.graph.nodes), probe_s, sum(p["seconds"] for p in ctx.records["passes"]))
+                  len(traced.gm.graph.nodes), ctx.records["probe_s"],
+                  sum(p["seconds"] for p in ctx.records["passes"]))
     return entry
 
 

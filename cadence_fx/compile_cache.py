@@ -55,8 +55,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.utils._pytree as pytree
 
+from .region_kernels import BadEntry, compiler_digest, read_entry, write_entry
 from .region_kernels import atomic_write as _atomic_write
-from .region_kernels import compiler_digest
 from .stored_class import attributes
 from .tracing import TracedStep, module_state_tensors
 
@@ -245,26 +245,12 @@ class CompileCache:
     # -- one entry on disk: a header line (JSON) and the pickled payload ------------------------
     def _read(self, path: Path, key) -> Optional[bytes]:
         """The entry's payload, checked against its header; None when absent or unusable."""
+        keys = {"step_key": self.step_key, "class_key": self.class_key(key)}
         try:
-            blob = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            return self.unusable(path, f"unreadable ({e})")
-        head, sep, payload = blob.partition(b"\n")
-        try:
-            header = json.loads(head)
-        except ValueError:
-            return self.unusable(path, "not a cadence_fx cache entry (no header)")
-        if not isinstance(header, dict):
-            return self.unusable(path, "not a cadence_fx cache entry (no header)")
-        if not sep or header.get("format") != FORMAT:
-            return self.unusable(path, f"of another format ({header.get('format')!r})")
-        if header.get("step_key") != self.step_key or header.get("class_key") != self.class_key(key):
-            return self.unusable(path, "written for another step or class (foreign entry)")
-        if len(payload) != header.get("bytes") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-            return self.unusable(path, "truncated or corrupt (its digest does not match)")
-        return payload
+            found = read_entry(path, FORMAT, keys, "cache", "another step or class")
+        except BadEntry as e:
+            return self.unusable(path, str(e))
+        return None if found is None else found[1]
 
     def _unpickle(self, path: Path, payload: bytes):
         try:
@@ -273,11 +259,8 @@ class CompileCache:
             return self.unusable(path, f"not loadable ({type(e).__name__}: {e})")
 
     def _write(self, path: Path, key, payload: bytes) -> None:
-        header = {"format": FORMAT, "step_key": self.step_key, "class_key": self.class_key(key),
-                  "class": repr(key[0]), "bytes": len(payload),
-                  "sha256": hashlib.sha256(payload).hexdigest()}
-        self.dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path, json.dumps(header).encode() + b"\n" + payload)
+        write_entry(path, {"format": FORMAT, "step_key": self.step_key,
+                           "class_key": self.class_key(key), "class": repr(key[0])}, payload)
         meta = self.dir / "meta.json"
         if not meta.exists():
             created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -185,6 +185,20 @@ def run_demo(model: str = "token2wav", device: str = "cpu", chunks: Optional[int
                       running=True)
         runs.append(stream.extra["audit_run"](lambda i: None))
     bit_exact = all(len(r) == len(ref) and all(map(equal, ref, r)) for r in runs)
+    steps = _steps(stream, warm)
+    exact = {"bit_exact": bit_exact,
+             "bit_exact_chunks": sum(equal(a, b) for a, b in zip(ref, timed[-1])),
+             "chunks": stream.chunks}
+    memory = _memory(dev, stream, stock_peak, compiled_peak)
+    counters = _counters(stream, steps, verify)
+    timing = _timing(timed_passes, stock_times, times)
+    where = {"model": model, "device": str(dev), "config": stream.config}
+    return _layout(dev.type, where, exact, memory, counters, timing)
+
+
+def _steps(stream, warm) -> Dict:
+    """Per compiled step: its calls, replays and fallbacks (steady: after the compiling pass),
+    classes, traces, pieces and memory."""
     steps = {}
     for name, s in stream.steps.items():
         c = s.counters
@@ -194,10 +208,10 @@ def run_demo(model: str = "token2wav", device: str = "cpu", chunks: Optional[int
                        "classes": len(s.classes), "traces": c.traces,
                        "eager_pieces": c.eager_pieces, "guarded_eager": c.guarded_eager,
                        "memory": s.report().memory()}
-    total = lambda key: sum(getattr(s.counters, key) for s in stream.steps.values())  # noqa: E731
-    exact = {"bit_exact": bit_exact,
-             "bit_exact_chunks": sum(equal(a, b) for a, b in zip(ref, timed[-1])),
-             "chunks": stream.chunks}
+    return steps
+
+
+def _memory(dev, stream, stock_peak, compiled_peak) -> Dict:
     if dev.type == "cuda":
         # the allocator's peak during the timed pass of each path (weights included)
         memory = {"stock_peak_bytes": stock_peak, "compiled_peak_bytes": compiled_peak,
@@ -211,6 +225,11 @@ def run_demo(model: str = "token2wav", device: str = "cpu", chunks: Optional[int
     memory["carry_addresses"] = max(s.counters.carry_addresses for s in stream.steps.values())
     if "addresses" in stream.extra:
         memory["stock_state_addresses"] = len(stream.extra["addresses"]["stock"])
+    return memory
+
+
+def _counters(stream, steps, verify: bool) -> Dict:
+    total = lambda key: sum(getattr(s.counters, key) for s in stream.steps.values())  # noqa: E731
     counters = {
         "retentions": total("retentions"),
         "replays": total("replays"), "fallbacks": total("fallbacks"),
@@ -223,9 +242,14 @@ def run_demo(model: str = "token2wav", device: str = "cpu", chunks: Optional[int
     }
     if verify and stream.audit is not None:
         counters["audited_writes"] = sum(stream.audit.auditor.comparisons.values())
+    return counters
+
+
+def _timing(timed_passes: int, stock_times, times) -> Dict:
+    stock_p50 = statistics.median(sum(stock_times, []))
     # stock pass i against compiled pass i: how far one pass's figure can be trusted
     ratios = [statistics.median(a) / statistics.median(b) for a, b in zip(stock_times, times)]
-    timing = {
+    return {
         "timed_passes": timed_passes,
         "stock_ms_p50": stock_p50, "compiled_ms_p50": statistics.median(sum(times, [])),
         "stock_ms_p95": _p95(sum(stock_times, [])), "compiled_ms_p95": _p95(sum(times, [])),
@@ -234,8 +258,6 @@ def run_demo(model: str = "token2wav", device: str = "cpu", chunks: Optional[int
         "compiled_ms_p50_per_pass": [statistics.median(t) for t in times],
         "speedup_p50_spread": [min(ratios), max(ratios)],
     }
-    where = {"model": model, "device": str(dev), "config": stream.config}
-    return _layout(dev.type, where, exact, memory, counters, timing)
 
 
 CPU_TIMING_NOTE = ("on the CPU the compiled path runs its rewritten graphs eagerly (no device "

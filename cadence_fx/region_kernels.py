@@ -160,6 +160,44 @@ def load_artifact(blob: bytes) -> Callable:
 
 
 # -- the store on disk ----------------------------------------------------------------------------
+class BadEntry(Exception):
+    """A cache entry that may not be used; the message says why."""
+
+
+def write_entry(path: Path, header: dict, payload: bytes) -> None:
+    """One cache entry: a header line (JSON, with the payload's length and SHA-256 added) and
+    the payload, written atomically. Both caches write theirs so."""
+    header = dict(header, bytes=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(header).encode() + b"\n" + payload)
+
+
+def read_entry(path: Path, fmt: int, keys: dict, kind: str, foreign: str):
+    """The header and payload of the entry at ``path``, or None when there is none. Raises
+    ``BadEntry`` when it is unreadable, not a ``kind`` entry, of a format other than ``fmt``,
+    written for other ``keys`` (``foreign`` says for what), or truncated or corrupt."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise BadEntry(f"unreadable ({e})") from e
+    head, sep, payload = data.partition(b"\n")
+    try:
+        header = json.loads(head)
+    except ValueError:
+        header = None
+    if not isinstance(header, dict):
+        raise BadEntry(f"not a cadence_fx {kind} entry (no header)")
+    if not sep or header.get("format") != fmt:
+        raise BadEntry(f"of another format ({header.get('format')!r})")
+    if any(header.get(k) != v for k, v in keys.items()):
+        raise BadEntry(f"written for {foreign} (foreign entry)")
+    if len(payload) != header.get("bytes") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise BadEntry("truncated or corrupt (its digest does not match)")
+    return header, payload
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file renamed into place: processes writing
     at once leave one whole entry, never a mix (the compile cache's entries are written so too)."""
@@ -230,34 +268,20 @@ class KernelStore:
         blob = getattr(fn, "artifact", None) if verdict == "fused" else b""
         if blob is None:
             return
-        header = {"format": FORMAT, "key": key, "verdict": verdict, "reason": reason,
-                  "layout": layout, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
-        self.dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.path(key), json.dumps(header).encode() + b"\n" + blob)
+        write_entry(self.path(key), {"format": FORMAT, "key": key, "verdict": verdict,
+                                     "reason": reason, "layout": layout}, blob)
         self._memory[key] = StoredKernel(verdict, reason, fn if verdict == "fused" else None, layout)
         self.stores += 1
 
     def _read(self, key: str) -> Optional[StoredKernel]:
         path = self.path(key)
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
+            found = read_entry(path, FORMAT, {"key": key}, "kernel", "another region or machine")
+        except BadEntry as e:
+            return self._unusable(path, str(e))
+        if found is None:
             return None
-        except OSError as e:
-            return self._unusable(path, f"unreadable ({e})")
-        head, sep, blob = data.partition(b"\n")
-        try:
-            header = json.loads(head)
-        except ValueError:
-            header = None
-        if not isinstance(header, dict) or not sep:
-            return self._unusable(path, "not a cadence_fx kernel entry (no header)")
-        if header.get("format") != FORMAT:
-            return self._unusable(path, f"of another format ({header.get('format')!r})")
-        if header.get("key") != key:
-            return self._unusable(path, "written for another region or machine (foreign entry)")
-        if len(blob) != header.get("bytes") or hashlib.sha256(blob).hexdigest() != header.get("sha256"):
-            return self._unusable(path, "truncated or corrupt (its digest does not match)")
+        header, blob = found
         if header.get("verdict") == "stock":
             return StoredKernel("stock", header.get("reason"), None, header.get("layout"))
         try:

@@ -279,11 +279,7 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
         raise ValueError(f"tracing_mode {tracing_mode!r}: cadence_fx traces exact shapes with fake "
                          "tensors, one graph per catalog signature (a 'real' trace would run the "
                          "step and write the user's module); use 'fake'")
-    if isinstance(adapter, str):
-        from cadence_fx import adapters
-        adapter = adapters.get(adapter)
-    if not isinstance(adapter, Adapter):
-        raise TypeError(f"adapter must be an Adapter or a registered name, got {type(adapter).__name__}")
+    adapter = _adapter(adapter)
     if module is None:
         module = step if isinstance(step, torch.nn.Module) else getattr(step, "__self__", None)
     if not isinstance(module, torch.nn.Module):
@@ -299,3 +295,13 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
                         keep_before=keep_before, donate_state=donate_state,
                         cache_dir=cache_dir if cache_dir is not None
                         else os.environ.get("CADENCE_FX_CACHE_DIR") or None)
+
+
+def _adapter(adapter: Union[Adapter, str]) -> Adapter:
+    """An adapter, or the registered adapter of that name."""
+    if isinstance(adapter, str):
+        from cadence_fx import adapters
+        adapter = adapters.get(adapter)
+    if not isinstance(adapter, Adapter):
+        raise TypeError(f"adapter must be an Adapter or a registered name, got {type(adapter).__name__}")
+    return adapter

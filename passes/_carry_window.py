@@ -100,35 +100,52 @@ def window_of(b: RegionBinding, cat: Node, start: int, stop: int,
     return Window(cat, new, l, c, start, stop, order, (start, stop))
 
 
+def _cat_read_as_itself(gm: GraphModule, w: Window) -> Optional[str]:
+    """Why the concatenation cannot become a view of the carry: a node writes it in place, or
+    reads it at its own strides; None when nothing does."""
+    cat_storage = storage_key(w.cat)
+    if cat_storage is None:
+        return None
+    for n in gm.graph.nodes:
+        written = storage_key(mutated_arg(n)) if is_mutating(n) else None
+        if written is not None and written == cat_storage:
+            return f"{n.name} writes the concatenation in place"
+        if (n.op == "call_function" and n.target in LAYOUT_READS
+                and storage_key(n.args[0]) == cat_storage):
+            return (f"{n.name} reads the concatenation through {n.target.overloadpacket.__name__} at its own "
+                    "strides, which a view of the carry does not have")
+    return None
+
+
+def _old_state_read_after(gm: GraphModule, b: RegionBinding, w: Window) -> Optional[Node]:
+    """The first node after the concatenation that reads the old state (the output too: a result
+    that is the old state would be copied after the move). The old frames move at the
+    concatenation's place, so nothing may read them after it."""
+    after = False
+    for n in gm.graph.nodes:
+        if n is w.cat:
+            after = True
+        elif after and any(_key_in(storage_key(a), b.storages) for a in n.all_input_nodes):
+            return n
+    return None
+
+
 def rewrite_window(gm: GraphModule, b: RegionBinding, w: Window, keep_stock: bool):
     """Rewrite ``w`` in place. Returns ``(state, stock)``: the new state as a carry view
     ``C[start:stop]`` (placed before the output), and the stock value for the audit when
     ``keep_stock`` (else None); or a string, the reason it cannot be done (the graph unchanged)."""
     d, E = b.region.dim, b.carry.extent
     l, c = w.held, w.added
-    cat_storage = storage_key(w.cat)
-    for n in gm.graph.nodes:
-        written = storage_key(mutated_arg(n)) if is_mutating(n) else None
-        if written is not None and cat_storage is not None and written == cat_storage:
-            return f"{n.name} writes the concatenation in place"
-        if (n.op == "call_function" and n.target in LAYOUT_READS and cat_storage is not None
-                and storage_key(n.args[0]) == cat_storage):
-            return (f"{n.name} reads the concatenation through {n.target.overloadpacket.__name__} at its own "
-                    "strides, which a view of the carry does not have")
+    why = _cat_read_as_itself(gm, w)
+    if why is not None:
+        return why
     window_node = _window_node(w, d) if w.order == APPEND else None
     move_first = (window_node is not None and w.stop == l + c and w.start <= l)
     if w.order == PREPEND or move_first:
-        # the old frames move at the concatenation's place: nothing may read them after it
-        after = False
-        for n in gm.graph.nodes:
-            if n is w.cat:
-                after = True
-            elif after and any(_key_in(storage_key(a), b.storages) for a in n.all_input_nodes):
-                # (the output too: a result that is the old state would be copied after the move)
-                if w.order == PREPEND:
-                    return f"{n.name} reads the old state after {w.cat.name} prepends to it"
-                move_first = False
-                break
+        late = _old_state_read_after(gm, b, w)
+        if late is not None and w.order == PREPEND:
+            return f"{late.name} reads the old state after {w.cat.name} prepends to it"
+        move_first = move_first and late is None
     if l + c > E and not move_first:
         return (f"{w.cat.name} holds {l + c} frames before the window drops any, but the carry "
                 f"holds {E}; give the region `room` for a call's frames ({l + c - E} more)")

@@ -323,19 +323,9 @@ def regions_in_order(graph, device: Optional[str] = None) -> List[List[Node]]:
     return regions
 
 
-def _replace(gm: GraphModule, run: List[Node], name: str, counters) -> int:
-    """The run as one call of a ``FusedRegion``; returns how many writes it took over (0 or 1)."""
-    members = set(run)
-    write = run[-1] if run[-1].target is aten.copy_.default else None
-    if write is not None:          # copy_ returns its destination: its readers read that
-        write.replace_all_uses_with(write.args[0])
-    inputs: List[Node] = []
-    for n in run:
-        for a in n.all_input_nodes:
-            if a not in members and a not in inputs:
-                inputs.append(a)
-    used_after = {n for n in run if any(u not in members for u in n.users)}
-    # a view used after the region is made again outside it, from the kernel output it views
+def _kernel_outputs(run: List[Node], members: set, used_after: set) -> List[Node]:
+    """The region's outputs: the kernel values used after it (a view used after it is made again
+    outside it, from the kernel output it views)."""
     outputs: List[Node] = []
 
     def output_of(n: Node) -> None:
@@ -350,6 +340,22 @@ def _replace(gm: GraphModule, run: List[Node], name: str, counters) -> int:
     for n in run:
         if n in used_after:
             output_of(n)
+    return outputs
+
+
+def _replace(gm: GraphModule, run: List[Node], name: str, counters) -> int:
+    """The run as one call of a ``FusedRegion``; returns how many writes it took over (0 or 1)."""
+    members = set(run)
+    write = run[-1] if run[-1].target is aten.copy_.default else None
+    if write is not None:          # copy_ returns its destination: its readers read that
+        write.replace_all_uses_with(write.args[0])
+    inputs: List[Node] = []
+    for n in run:
+        for a in n.all_input_nodes:
+            if a not in members and a not in inputs:
+                inputs.append(a)
+    used_after = {n for n in run if any(u not in members for u in n.users)}
+    outputs = _kernel_outputs(run, members, used_after)
     stock = graph_module(torch.nn.Module(), subgraph(run, inputs, outputs), class_name=name)
     writes = (inputs.index(write.args[0]),) if write is not None else ()
     values = [val(a) for a in inputs]
