@@ -2,6 +2,7 @@
 
     python bench/probe_startup.py --model token2wav --out DIR      # cold then warm, profiled
     python bench/probe_startup.py --artifacts DIR                   # standalone_compile save/load
+    python bench/probe_startup.py --kernels CACHE_DIR [--threads N]  # load every stored kernel
 
 The first form runs ``bench/warm_start.py``'s child twice in fresh processes (cold into an empty
 cache directory, then warm from it), each under cProfile, and counts per process the fused
@@ -174,6 +175,54 @@ def load(region_dir):
                       "exact": exact, "n": len(loaded), "rows": rows[:50]}))
 
 
+def kernels(cache_dir, threads, out):
+    """Deserialize every kernel entry of a cadence_fx cache directory in this (fresh) process,
+    timing reading, unpickling and Inductor's post-compile per entry, serially or on threads."""
+    import pickle
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    import torch._inductor  # noqa: F401
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as B
+
+    from cadence_fx import region_kernels
+    paths = sorted((Path(cache_dir) / "kernels").glob("*.kernel"))
+    phases = {"read_s": 0.0, "unpickle_s": 0.0, "post_compile_s": 0.0}
+
+    def one(path):
+        t = time.perf_counter()
+        header, blob = region_kernels.read_entry(path, region_kernels.FORMAT, {}, "kernel", "")
+        t1 = time.perf_counter()
+        if header.get("verdict") != "fused":
+            return
+        pickle.loads(blob)
+        t2 = time.perf_counter()
+        B.deserialize_compile_artifacts(blob)
+        t3 = time.perf_counter()
+        phases["read_s"] += t1 - t
+        phases["unpickle_s"] += t2 - t1
+        phases["post_compile_s"] += t3 - t2
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    if threads > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, paths))
+    else:
+        prof.enable()
+        for path in paths:
+            one(path)
+        prof.disable()
+    row = dict(phases, entries=len(paths), threads=threads, wall_s=time.perf_counter() - t)
+    if threads <= 1:
+        s = io.StringIO()
+        p = pstats.Stats(prof, stream=s)
+        p.sort_stats("cumulative").print_stats(60)
+        p.sort_stats("tottime").print_stats(40)
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "profile-kernel-loads.txt").write_text(s.getvalue())
+    print(json.dumps(row))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="token2wav")
@@ -182,7 +231,12 @@ def main():
     ap.add_argument("--child", default=None)
     ap.add_argument("--artifacts", default=None)
     ap.add_argument("--load", default=None)
+    ap.add_argument("--kernels", default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cache", default=None, help="the cadence_fx cache directory to use (kept)")
     a = ap.parse_args()
+    if a.kernels:
+        return kernels(a.kernels, a.threads, a.out)
     if a.load:
         return load(a.load)
     if a.artifacts:
@@ -190,9 +244,10 @@ def main():
     if a.child:
         return child(a.model, a.out, a.child, a.keep)
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    cache = tempfile.mkdtemp(prefix="cadence-probe-")
-    for tag in ("cold", "warm"):
-        env = dict(os.environ, CADENCE_FX_CACHE_DIR=cache)
+    cache = a.cache or tempfile.mkdtemp(prefix="cadence-probe-")
+    for tag in ("cold", "warm"):   # each with empty Inductor and Triton caches
+        env = dict(os.environ, CADENCE_FX_CACHE_DIR=cache, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(),
+                   TRITON_CACHE_DIR=tempfile.mkdtemp())
         cmd = [sys.executable, __file__, "--child", tag, "--model", a.model, "--out", a.out]
         if tag == "cold" and a.keep:
             cmd += ["--keep", str(a.keep)]
