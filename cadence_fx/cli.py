@@ -220,6 +220,18 @@ def _cache(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    """Serve a demo model's sessions through Ray Serve on this machine (cadence_fx.serve)."""
+    try:
+        from cadence_fx.serve.launch import serve_locally
+        import ray.serve  # noqa: F401 - the extra, checked before anything starts
+    except ImportError as e:
+        print(f"cadence-fx serve: {e}; install the extra: pip install 'cadence_fx[serve]'",
+              file=sys.stderr)
+        return 2
+    return serve_locally(args)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="cadence-fx", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -272,6 +284,23 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="the cache directory (default: $CADENCE_FX_CACHE_DIR, else ~/.cache/cadence_fx)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(run=_cache)
+    s = sub.add_parser("serve", help="serve a model's sessions over WebSockets through Ray Serve "
+                                     "(needs the serve extra; docs/serving.md)")
+    s.add_argument("--model", default="toy", choices=list(MODELS))
+    s.add_argument("--replicas", type=int, default=1, help="one per GPU (default 1)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--address", default=None, help="a Ray cluster to join (default: start one)")
+    s.add_argument("--cache-dir", default=None,
+                   help="the compile cache the replicas share (default: as `cadence-fx cache`)")
+    s.add_argument("--gpus", type=float, default=None,
+                   help="GPUs per replica (default: 1 with CUDA, else 0)")
+    s.add_argument("--cpus", type=float, default=1.0, help="CPUs per replica")
+    s.add_argument("--full", action=argparse.BooleanOptionalAction, default=None,
+                   help="the model's real configuration, as demo --full")
+    s.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds Ctrl-C waits for live sessions to end their turn")
+    s.set_defaults(run=_serve)
     args = parser.parse_args(argv)
     return args.run(args)
 

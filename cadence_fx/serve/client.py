@@ -1,0 +1,83 @@
+"""A Python client of ``cadence_fx.serve`` (the protocol: ``docs/serving.md``).
+
+    with StreamClient("ws://127.0.0.1:8000/v1/stream") as client:
+        s = client.open(seed=1)                   # a session, pinned to one replica for life
+        out = s.chunk(x=torch.randn(1, 8, 256))   # the model's inputs by name -> its outputs
+        s.chunk(x=..., last=True)                 # the turn's last chunk
+        s.reset()                                 # the next turn, from the session's prompt
+        s.close()
+
+A chunk for a session whose replica is gone raises ``SessionLost``: its state is gone with the
+replica, so the caller opens a new session (on a live replica) and primes it again; nothing is
+moved behind its back. Other error replies raise ``ServeError`` with their ``code``.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .protocol import ServeError, SessionLost, decode, encode, raise_for
+
+__all__ = ["StreamClient", "Session", "SessionLost", "ServeError"]
+
+Tensors = Dict[str, torch.Tensor]
+
+
+class StreamClient:
+    """One WebSocket connection; any number of sessions over it, one request at a time."""
+
+    def __init__(self, url: str = "ws://127.0.0.1:8000/v1/stream", timeout: float = 120.0):
+        from websockets.sync.client import connect
+        self.url, self.timeout = url, timeout
+        self._ws = connect(url, max_size=None, open_timeout=timeout, close_timeout=5)
+
+    def request(self, header: dict, tensors: Optional[Tensors] = None) -> Tuple[dict, Tensors]:
+        """Send one request and return the reply; an error reply raises."""
+        self._ws.send(encode(header, tensors))
+        reply, out = decode(self._ws.recv(timeout=self.timeout))
+        raise_for(reply)
+        return reply, out
+
+    def open(self, prompt: Optional[Tensors] = None, seed: Optional[int] = None) -> "Session":
+        """A new session: ``prompt``, the model's priming tensors (none: the replica's default),
+        ``seed``, its generator's seed where the model draws randomness."""
+        reply, _ = self.request({"op": "open", "seed": seed}, prompt)
+        return Session(self, reply)
+
+    def close(self) -> None:
+        self._ws.close()
+
+    def __enter__(self) -> "StreamClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Session:
+    """A session on one replica: ``token`` names both."""
+
+    def __init__(self, client: StreamClient, opened: dict):
+        self.client, self.token, self.replica = client, opened["session"], opened["replica"]
+        self.warm = opened.get("warm", {})     # how its replica started: traces, cache loads
+        self.closed: Optional[str] = None      # why the server ended it (e.g. "draining")
+        self.last_reply: dict = {}
+
+    def chunk(self, last: bool = False, **inputs: torch.Tensor) -> Tensors:
+        """One chunk: the model's inputs by name; returns its outputs (CPU tensors)."""
+        reply, out = self.client.request({"op": "chunk", "session": self.token, "last": last},
+                                         inputs)
+        self.last_reply = reply
+        self.closed = reply.get("closed")
+        return out
+
+    def reset(self) -> None:
+        self.client.request({"op": "reset", "session": self.token})
+
+    def close(self) -> None:
+        self.client.request({"op": "close", "session": self.token})
+
+    def stats(self) -> dict:
+        """Its replica's stats (live sessions, warm start, counters, deadline misses)."""
+        return self.client.request({"op": "stats", "session": self.token})[0]["stats"]

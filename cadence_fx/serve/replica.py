@@ -1,0 +1,186 @@
+"""``SessionReplica``: one Ray Serve replica (one GPU) holding a served model's compiled steps
+and the sessions on them.
+
+At start the replica builds the model, compiles its steps with the shared ``cache_dir`` and runs
+the warm-up stream (``PoolEngine.warm``): a replica started after another has written the cache
+loads every class and traces none. Every request is ``handle(token, message)``: the session's
+token (``router.py`` routed the request here by it) and the client's message as it came
+(``protocol.py``); the reply is the message to send back. A session lives on this replica only:
+a token naming another replica is answered ``session_lost``, never served from a fresh state.
+
+Draining (``user_config={"draining": True}``, given to every replica by a redeploy): sessions
+are no longer opened, and each live session is closed at the end of its turn (the reply to its
+``last`` chunk says so, a ``reset`` is refused), so no conversation is cut mid-turn. Metrics go
+through ``ray.util.metrics``: live sessions, chunk latency, deadline misses, stock fallbacks and
+lost sessions, tagged with the model and the replica.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional
+
+import ray
+import torch
+from ray import serve
+
+from .engine import PoolEngine
+from .models import build
+from .protocol import OPS, decode, encode, error
+from .router import replica_of
+
+__all__ = ["SessionReplica"]
+
+log = logging.getLogger(__name__)
+_LATENCY_MS = [5, 10, 20, 40, 80, 160, 320, 640, 1000, 2000, 5000]
+
+
+class _Metrics:
+    def __init__(self, model: str, replica: str):
+        from ray.util import metrics
+        keys = ("model", "replica")
+        self.live = metrics.Gauge("cadence_fx_live_sessions", "sessions open on the replica",
+                                  tag_keys=keys)
+        self.latency = metrics.Histogram("cadence_fx_chunk_latency_ms",
+                                         "a chunk's time on the replica", boundaries=_LATENCY_MS,
+                                         tag_keys=keys)
+        self.misses = metrics.Counter("cadence_fx_deadline_misses",
+                                      "chunks slower than the audio they carry", tag_keys=keys)
+        self.fallbacks = metrics.Counter("cadence_fx_fallbacks",
+                                         "step calls that ran the stock step", tag_keys=keys)
+        self.lost = metrics.Counter("cadence_fx_sessions_lost",
+                                    "requests for a session whose replica is gone", tag_keys=keys)
+        for m in (self.live, self.latency, self.misses, self.fallbacks, self.lost):
+            m.set_default_tags({"model": model, "replica": replica})
+
+
+class SessionReplica:
+    def __init__(self, model: str, cache_dir: Optional[str] = None, device: str = "auto",
+                 full: Optional[bool] = None, threads: Optional[int] = None,
+                 deadline_ms: Optional[float] = None):
+        if threads:
+            torch.set_num_threads(threads)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.tag = serve.get_replica_context().replica_id.unique_id
+        self.actor = ray.get_runtime_context().get_actor_name()
+        self.model = build(model, device, cache_dir, full)
+        self.engine = PoolEngine(self.model)   # the one seam to the sessions (engine.py)
+        self.warm = self.engine.warm()
+        self.deadline_ms = deadline_ms or self.model.deadline_ms
+        self.draining, self.failed = False, None
+        self.tally = {"chunks": 0, "deadline_misses": 0, "fallbacks": 0, "lost": 0}
+        self.metrics = _Metrics(model, self.tag)
+        self.metrics.live.set(0)
+        self._lock = threading.Lock()
+        log.info("replica %s: %s on %s, warm %s", self.tag, model, device, self.warm)
+
+    def reconfigure(self, config: dict) -> None:
+        self.draining = bool((config or {}).get("draining", False))
+
+    def check_health(self) -> None:
+        if self.failed:
+            raise RuntimeError(f"replica {self.tag} failed ({self.failed}); Serve restarts it and "
+                               "its sessions are lost (their clients prime again)")
+
+    def handle(self, token: Optional[str], message: bytes) -> bytes:
+        try:
+            header, tensors = decode(message)
+        except ValueError as e:
+            return error("bad_request", str(e), token)
+        op = header.get("op")
+        if op not in OPS:
+            return error("bad_request", f"unknown op {op!r}; send one of {', '.join(OPS)}", token)
+        with self._lock:
+            if op == "stats":
+                return encode({"op": "stats", "session": token, "stats": self.stats()})
+            if op == "open":
+                return self._open(header, tensors)
+            sid = self._session(token)
+            if isinstance(sid, bytes):
+                return sid
+            try:
+                return getattr(self, "_" + op)(token, sid, header, tensors)
+            except (ValueError, TypeError, KeyError) as e:   # the request, not the replica
+                return error("bad_request", str(e), token)
+            except Exception as e:  # noqa: BLE001 - the carries may be inconsistent: restart
+                self.failed = f"{type(e).__name__}: {e}"
+                log.exception("replica %s: %s of %s failed", self.tag, op, token)
+                return error("failed", f"the replica failed ({self.failed}) and will restart; "
+                             "open a new session", token)
+
+    def stats(self) -> dict:
+        return {"replica": self.tag, "actor": self.actor, "model": self.model.name,
+                "live_sessions": self.engine.live, "draining": self.draining,
+                "deadline_ms": self.deadline_ms, "warm": self.warm,
+                "counters": self.engine.counters(), **self.tally}
+
+    # -- the operations ---------------------------------------------------------------------
+    def _open(self, header, tensors) -> bytes:
+        if self.draining:
+            return error("draining", f"replica {self.tag} is draining and opens no session; "
+                         "open it again once the new deployment is up")
+        seed = header.get("seed")
+        if seed is not None and not isinstance(seed, int):
+            return error("bad_request", f"seed {seed!r} is not an integer; send an int or null")
+        try:
+            sid = self.engine.open(tensors, seed=seed)
+        except ValueError as e:
+            return error("bad_request", str(e))
+        self.metrics.live.set(self.engine.live)
+        return encode({"op": "opened", "session": f"{self.tag}:{sid}", "replica": self.tag,
+                       "actor": self.actor, "warm": self.warm})
+
+    def _chunk(self, token, sid, header, tensors) -> bytes:
+        last = bool(header.get("last", False))
+        outputs, record = self.engine.chunk(sid, tensors, last)
+        self._count(record)
+        reply = {"op": "out", "session": token, "replica": self.tag, "ms": round(record.ms, 3),
+                 "fallbacks": record.fallbacks}
+        if last and self.draining:   # the turn ended: the session ends with it
+            self.engine.close(sid)
+            self.metrics.live.set(self.engine.live)
+            reply["closed"] = "draining"
+        return encode(reply, outputs)
+
+    def _reset(self, token, sid, header, tensors) -> bytes:
+        if self.draining:
+            self.engine.close(sid)
+            self.metrics.live.set(self.engine.live)
+            return error("draining", f"replica {self.tag} is draining: session {token} ended "
+                         "with its turn; open a new session once the new deployment is up", token)
+        self.engine.reset(sid)
+        return encode({"op": "reset", "session": token})
+
+    def _close(self, token, sid, header, tensors) -> bytes:
+        self.engine.close(sid)
+        self.metrics.live.set(self.engine.live)
+        return encode({"op": "closed", "session": token})
+
+    def _session(self, token):
+        """The engine's id of the session ``token`` names, or the error reply to send."""
+        owner = replica_of(token)
+        if owner is None:
+            return error("bad_request", f"session {token!r} is not a session token; send the "
+                         "'session' an 'opened' reply gave")
+        if owner != self.tag:
+            self.tally["lost"] += 1
+            self.metrics.lost.inc()
+            return error("session_lost", f"session {token} lived on replica {owner}, which is "
+                         f"gone (this is replica {self.tag}), and its state with it; open a new "
+                         "session and prime it again", token)
+        n = token.split(":", 1)[1]
+        if not n.isdigit() or not self.engine.holds(int(n)):
+            return error("unknown_session", f"replica {self.tag} holds no session {token} (it "
+                         "was closed, or never opened); open a new one", token)
+        return int(n)
+
+    def _count(self, record) -> None:
+        self.tally["chunks"] += 1
+        self.metrics.latency.observe(record.ms)
+        if record.ms > self.deadline_ms:
+            self.tally["deadline_misses"] += 1
+            self.metrics.misses.inc()
+        if record.fallbacks:
+            self.tally["fallbacks"] += record.fallbacks
+            self.metrics.fallbacks.inc(record.fallbacks)

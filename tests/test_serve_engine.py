@@ -1,0 +1,77 @@
+"""cadence_fx.serve without Ray: the wire format keeps tensors bit for bit and names what is
+malformed; the engine (the replica's seam to its SessionPools) keeps interleaved sessions exact
+against each one run alone on the stock step, across a turn reset, a partial flush and a longer
+last call; a second engine on the same compile cache traces nothing."""
+import pytest
+import torch
+
+from cadence_fx.serve.engine import PoolEngine
+from cadence_fx.serve.models import StockSession, build
+from cadence_fx.serve.protocol import SessionLost, decode, encode, error, raise_for
+
+WIDTHS = [8, 8, 8, 4, 8, 8, 10]   # a turn ending in a partial flush, then one ending longer
+RESET_AFTER, LAST = 3, (3, 6)
+
+
+def stream(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(1, w, 256, generator=g)} for w in WIDTHS]
+
+
+def test_messages_keep_tensors_exact_and_errors_name_the_fix():
+    x = {"a": torch.randn(3, 5), "b": torch.arange(4)}
+    header, out = decode(encode({"op": "chunk", "session": "r:1"}, x))
+    assert header == {"op": "chunk", "session": "r:1"}
+    assert all(torch.equal(out[k], x[k]) and out[k].dtype == x[k].dtype for k in x)
+    with pytest.raises(ValueError, match="binary"):
+        decode("text")
+    with pytest.raises(ValueError, match="header length"):
+        decode(b"\x00\x00\x01\x00{}")
+    with pytest.raises(SessionLost, match="prime"):
+        raise_for(decode(error("session_lost", "open a new session and prime it again", "r:1"))[0])
+
+
+@pytest.fixture(scope="module")
+def toy_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve-cache")
+
+
+def test_interleaved_sessions_equal_stock_alone(toy_cache):
+    model = build("toy", cache_dir=toy_cache)
+    engine = PoolEngine(model)
+    warm = engine.warm()
+    assert (warm["traces"], warm["fallbacks"]) == (4, 0)
+    ids = [engine.open(seed=s) for s in range(3)]
+    refs = [StockSession(model, seed=s) for s in range(3)]
+    inputs = [stream(model, s) for s in range(3)]
+    for i in range(len(WIDTHS)):
+        for sid, ref, xs in zip(ids, refs, inputs):
+            if i == RESET_AFTER + 1:
+                engine.reset(sid)
+                ref.reset()
+            out, record = engine.chunk(sid, xs[i], last=i in LAST)
+            assert torch.equal(out["y"], ref.chunk(xs[i], last=i in LAST)["y"])
+            assert record.fallbacks == 0   # the partial flush is a class of its own
+    assert engine.live == 3 and engine.pools["step"].swaps > 0
+    for sid in ids:
+        engine.close(sid)
+    assert engine.live == 0
+
+
+def test_a_second_engine_on_the_cache_traces_nothing(toy_cache):
+    build("toy", cache_dir=toy_cache)   # the cache the test above filled (or fill it here)
+    PoolEngine(build("toy", cache_dir=toy_cache)).warm()
+    warm = PoolEngine(build("toy", cache_dir=toy_cache)).warm()
+    assert warm["traces"] == 0 and warm["cache_loads"] == 4
+
+
+def test_bad_inputs_name_what_to_send():
+    model = build("toy")
+    engine = PoolEngine(model)
+    sid = engine.open()
+    with pytest.raises(ValueError, match="'x'"):
+        engine.chunk(sid, {"y": torch.zeros(1, 8, 256)})
+    with pytest.raises(ValueError, match=r"shape \(1, None, 256\)"):
+        engine.chunk(sid, {"x": torch.zeros(8, 256)})
+    with pytest.raises(KeyError, match="open"):
+        engine.chunk(sid + 1, {"x": torch.zeros(1, 8, 256)})
