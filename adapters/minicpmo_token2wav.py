@@ -24,6 +24,8 @@ CLOCKS = {
     "mel_bins": 80, "mel_cache": 8, "wave_cache": 3840, "samples_per_frame": 480,
     # a flow call takes 25 new tokens + 3 look-ahead tokens
     "chunk_tokens": 28,
+    # the priming pass reads the prompt's 151 tokens + 3 look-ahead (f_prompt / 2 + 3)
+    "prompt_tokens": 154,
 }
 
 ESTIMATOR_ATT = Region(
@@ -89,6 +91,11 @@ TOKEN2WAV_FLOW = dataclasses.replace(
     call_frames=("chunk_tokens",), call_input="token", call_dim=1, admission="chunk_tokens",
     # a server primes each new speaker with the flow's own cache-free prompt pass
     priming=("flow.setup_cache",),
+    # the prompt lengths the server accepts, in tokens: retention keeps the first f_prompt
+    # frames, so every catalog class assumes a prompt of exactly f_prompt frames; a server with
+    # other prompt lengths serves each through a step compiled at with_clocks(f_prompt=...,
+    # prompt_tokens=...)
+    prompt_lengths=("prompt_tokens",),
     description="MiniCPM-o 4.5 Token2Wav flow: conformer encoder + CFM decoder")
 
 # The CFM decoder step alone (``cadence_fx.models.token2wav.CFMStep``: the DiT solver loop +

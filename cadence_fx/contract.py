@@ -119,6 +119,11 @@ class Adapter:
     ``priming`` names stock methods outside the step that prime a stream from a prompt (e.g.
     ``"flow.setup_cache"``): with ``release_envelopes=True`` they get the released envelopes back
     for the call (zero-filled) and release them again, their results copied out first.
+    ``prompt_lengths`` are the prompt lengths a server accepts for the priming pass (a call
+    without region state), in the units of ``call_input`` along ``call_dim``: a tuple of sizes
+    or clock names, or a ``range`` (start, stop, step). Each is a class ``capture_catalog``
+    prepares; a declared length not yet compiled runs stock once while its class compiles in a
+    background thread; a length not declared runs stock, with the reason.
     """
     name: str
     clocks: Mapping[str, int]
@@ -133,6 +138,7 @@ class Adapter:
     recapture_on_drift: bool = True
     repeated: Tuple[str, ...] = ()
     priming: Tuple[str, ...] = ()
+    prompt_lengths: Union[Tuple[Union[int, str], ...], range] = ()
     description: str = ""
 
     def __post_init__(self):
@@ -142,6 +148,10 @@ class Adapter:
         object.__setattr__(self, "constants", tuple(self.constants))
         object.__setattr__(self, "repeated", tuple(self.repeated))
         object.__setattr__(self, "priming", tuple(self.priming))
+        if not isinstance(self.prompt_lengths, range):
+            lengths = self.prompt_lengths
+            object.__setattr__(self, "prompt_lengths",
+                               (lengths,) if isinstance(lengths, (int, str)) else tuple(lengths))
 
     # -- derived numbers -------------------------------------------------------------------
     def clock(self, name: str, *, who: str = "adapter") -> int:
@@ -164,6 +174,13 @@ class Adapter:
 
     def call_widths(self) -> Tuple[int, ...]:
         return tuple(sorted({self.clock(c, who="call_frames") for c in self.call_frames}))
+
+    def prompt_widths(self) -> Tuple[int, ...]:
+        """The declared prompt lengths as sizes along ``call_dim`` of ``call_input``, sorted."""
+        if isinstance(self.prompt_lengths, range):
+            return tuple(self.prompt_lengths)
+        return tuple(sorted({self.clock(p, who="prompt_lengths") if isinstance(p, str) else p
+                             for p in self.prompt_lengths}))
 
     def admits(self, frames: int) -> bool:
         """The admission predicate: a call of ``frames`` frames may enter the catalog."""
@@ -215,6 +232,7 @@ class Adapter:
         if self.width_limit < 1:
             raise ContractError(f"{where}: width_limit {self.width_limit} must be >= 1; set it "
                                 "to the most classes a region may have (default 64)")
+        self._validate_prompt_lengths(where)
         for field, example in (("repeated", "estimator.forward_chunk"), ("priming", "flow.setup_cache")):
             for r in getattr(self, field):
                 owner, _, method = r.rpartition(".")
@@ -222,6 +240,32 @@ class Adapter:
                     raise ContractError(f"{where}: {field} call {r!r} is not '<submodule>.<method>' "
                                         f"(e.g. {example!r}); fix `{field}`")
         return self
+
+    def _validate_prompt_lengths(self, where: str) -> None:
+        lengths = self.prompt_lengths
+        if not lengths:
+            if isinstance(lengths, range):
+                raise ContractError(f"{where}: prompt_lengths {lengths} is empty; give a range "
+                                    "with start < stop and a positive step, e.g. range(100, 401, 50)")
+            return
+        if self.call_input is None:
+            raise ContractError(f"{where} declares prompt_lengths but no call_input; name the "
+                                "argument whose `call_dim` carries the prompt's length")
+        if isinstance(lengths, range) and lengths.step <= 0:
+            raise ContractError(f"{where}: prompt_lengths {lengths} steps by {lengths.step}; use "
+                                "a positive step")
+        for p in ([] if isinstance(lengths, range) else lengths):
+            if isinstance(p, bool) or not isinstance(p, (int, str)):
+                raise ContractError(f"{where}: prompt length {p!r} is neither a size nor a clock "
+                                    "name; give integers, clock names or a range")
+        widths = self.prompt_widths()
+        if widths[0] <= 0:
+            raise ContractError(f"{where}: prompt length {widths[0]} is not positive; a prompt "
+                                "has at least one frame")
+        if len(widths) > self.width_limit:
+            raise ContractError(f"{where}: {len(widths)} prompt lengths, over the width limit "
+                                f"{self.width_limit} (each is a class); declare fewer (a coarser "
+                                "step) or raise `width_limit`")
 
     def _validate_region(self, r: Region) -> None:
         where = f"region {r.name!r} of adapter {self.name!r}"

@@ -35,6 +35,7 @@ class Counters:
     fused_regions: int = 0    # pointwise regions verified bit-exact and run fused (fuse_exact)
     fusions_refused: int = 0  # regions kept stock: fused bits differed, or compile or run failed
     fusions_loaded: int = 0   # of those, regions whose verdict (and code) came from the compile cache
+    background_compiles: int = 0  # priming classes compiled in a background thread
     reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     addresses: Dict[str, Set[int]] = dataclasses.field(
         default_factory=lambda: collections.defaultdict(set))

@@ -41,7 +41,8 @@ def prepare(cs, args, kwargs, work: Optional[Dict[str, int]] = None) -> bool:
     # an example is not the stream's state: it is copied into the carries, never taken over
     donate, cs.donate_state = cs.donate_state, False
     try:
-        entry, by_path, _ = cs._select(args, kwargs)
+        with cs.background.inline():   # a priming class is compiled here, not in a thread
+            entry, by_path, _ = cs._select(args, kwargs)
         if entry is not None:
             written = TensorSnapshot(
                 [v for v in by_path.values() if isinstance(v, torch.Tensor)]
@@ -86,10 +87,10 @@ class Preparation(dict):
         return "\n".join(lines)
 
 
-def capture_catalog(cs, args, kwargs) -> Preparation:
-    """Compile every class of the catalog from one example call (see
-    ``CompiledStep.capture_catalog``). Returns a ``Preparation``: ``{(extents, width): compiled}``
-    with what it did."""
+def capture_catalog(cs, args, kwargs, priming_example=None) -> Preparation:
+    """Compile every class of the catalog from one example call, then the priming class of each
+    declared prompt length (see ``CompiledStep.capture_catalog``). Returns a ``Preparation``:
+    ``{(extents, width): compiled}`` with what it did."""
     named = bind_arguments(cs._arguments, args, kwargs)
     done = Preparation()
     done.rows, done.work, done.not_prepared = [], {}, _not_prepared(cs.adapter)
@@ -119,16 +120,57 @@ def capture_catalog(cs, args, kwargs) -> Preparation:
                     size = list(t.shape)
                     size[ad.call_dim] = w
                     synth[path] = torch.zeros(size, dtype=t.dtype, device=t.device)
-        work: Dict[str, int] = {}
-        done[(extents, w)] = prepare(cs, (), _replace_leaves(named, synth), work)
-        row = {"class": (extents, w), "how": _how(cs, (extents, w), done[(extents, w)], work),
-               "graphs": work["graphs"], "seconds": time.perf_counter() - start}
-        done.rows.append(row)
-        for k, v in work.items():
-            done.work[k] = done.work.get(k, 0) + v
-        progress.note("class %d/%d %s: %s, %d graphs, in %.1f s", i + 1, len(cs.catalog.classes),
-                      (extents, w), row["how"], row["graphs"], row["seconds"])
+        _prepare_row(cs, done, (extents, w), _replace_leaves(named, synth), start,
+                     f"class {i + 1}/{len(cs.catalog.classes)}")
+    for length in ad.prompt_widths():
+        start = time.perf_counter()
+        _prepare_row(cs, done, (tuple(None for _ in ad.regions), length),
+                     _priming_call(cs, named, by_path, length, priming_example), start,
+                     f"priming class, prompt length {length}:")
     return done
+
+
+def _prepare_row(cs, done: Preparation, cls: Tuple, call: dict, start: float, label: str) -> None:
+    """Prepare one class from ``call`` and record its row and work in ``done``."""
+    work: Dict[str, int] = dict.fromkeys((*WORK, "graphs"), 0)
+    try:
+        done[cls] = prepare(cs, (), call, work)
+        how = _how(cs, cls, done[cls], work)
+    except Exception as e:  # noqa: BLE001 - an example the step refuses: the class is not prepared
+        if cs.strict:
+            raise
+        done[cls] = False
+        how = (f"stock: its example failed ({type(e).__name__}: {e}); pass "
+               "priming_example=lambda length: (args, kwargs)")
+    row = {"class": cls, "how": how, "graphs": work["graphs"],
+           "seconds": time.perf_counter() - start}
+    done.rows.append(row)
+    for k, v in work.items():
+        done.work[k] = done.work.get(k, 0) + v
+    progress.note("%s %s: %s, %d graphs, in %.1f s", label, cls, row["how"], row["graphs"],
+                  row["seconds"])
+
+
+def _priming_call(cs, named, by_path, length: int, priming_example) -> dict:
+    """A priming call of ``length``: the caller's ``priming_example(length)``, or the example
+    re-cut (every region's argument None, the call input and the tensors sharing its width
+    re-made at ``length``)."""
+    if priming_example is not None:
+        args, kwargs = priming_example(length)
+        return bind_arguments(cs._arguments, args, kwargs)
+    ad = cs.adapter
+    heads = {r.input.split(".", 1)[0] for r in ad.regions}
+    x = by_path.get(ad.call_input)
+    width = x.shape[ad.call_dim] if isinstance(x, torch.Tensor) else None
+    synth = {}
+    for path, t in by_path.items():
+        if (isinstance(t, torch.Tensor) and path.split(".", 1)[0] not in heads and width is not None
+                and -t.dim() <= ad.call_dim < t.dim() and t.shape[ad.call_dim] == width):
+            size = list(t.shape)
+            size[ad.call_dim] = length
+            synth[path] = torch.zeros(size, dtype=t.dtype, device=t.device)
+    call = _replace_leaves(named, synth)
+    return {k: (None if k in heads else v) for k, v in call.items()}
 
 
 def _how(cs, cls: Tuple, compiled: bool, work: Dict[str, int]) -> str:
@@ -148,9 +190,10 @@ def _how(cs, cls: Tuple, compiled: bool, work: Dict[str, int]) -> str:
 def _not_prepared(adapter) -> List[str]:
     """What the adapter admits beyond the catalog's classes, which one example cannot make."""
     out = []
-    if adapter.regions:
+    if adapter.regions and not adapter.prompt_lengths:
         out.append("the priming pass (a call without region state): a class of its own, keyed by "
-                   "the prompt's shapes, which the adapter does not declare; call "
+                   "the prompt's length, which the adapter does not declare; declare the lengths "
+                   "a server accepts in the adapter's `prompt_lengths`, or call "
                    "`prepare(prompt, ...)` with a prompt example and no region state")
     if adapter.admission is not None:
         bound = adapter.clock(adapter.admission)

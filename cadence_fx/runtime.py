@@ -18,12 +18,14 @@ import inspect
 import logging
 import os
 import sys
+import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.utils._pytree as pytree
 
 from . import prepare as _prepare
+from . import priming as _priming
 from .admission import Admission, check_envelopes, check_paths
 from .audit import Auditor
 from .catalog import Catalog, build_catalog
@@ -98,15 +100,19 @@ class CompiledStep:
         self._repeated = method_targets(adapter, module) if options.repeated else []
         if release_envelopes:   # stock methods that read released envelopes: guarded or lent
             self.envelopes.guard(module, adapter, method_targets(adapter, module, "priming"))
+        # one call at a time: a priming class compiling in the background holds it too
+        self._lock = threading.RLock()
+        self.background = _priming.Background(self)
 
     # -- the call ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        self.counters.calls += 1
-        self.auditor.call_index = self.counters.calls
-        entry, by_path, reason = self._select(args, kwargs)
-        if entry is None:
-            return self._eager(reason, args, kwargs)
-        return self._run(entry, by_path)
+        with self._lock:
+            self.counters.calls += 1
+            self.auditor.call_index = self.counters.calls
+            entry, by_path, reason = self._select(args, kwargs)
+            if entry is None:
+                return self._eager(reason, args, kwargs, priming=_priming.is_priming(self, by_path))
+            return self._run(entry, by_path)
 
     def _select(self, args, kwargs):
         """Admission, absorption into the carries, and the class entry (traced on first sight)."""
@@ -127,6 +133,9 @@ class CompiledStep:
         entry = self.classes.get(key)
         if entry is None:
             named = pytree.tree_unflatten([by_path[p] for p, _ in leaves], spec)
+            reason = self.background.reason(key, named)   # a priming class not compiled yet
+            if reason is not None:
+                return None, by_path, reason
             entry = compile_class(self, key, named)
             if entry is None:
                 return None, by_path, self._rejected[key]
@@ -171,13 +180,15 @@ class CompiledStep:
         self.counters.materializations += entry.materializations
         return pytree.tree_unflatten(leaves, t.out_spec)
 
-    def _eager(self, reason: str, args, kwargs):
+    def _eager(self, reason: str, args, kwargs, priming: bool = False):
         if self.strict:
             raise GuardError(f"strict mode: {reason}")
         self.counters.fallback(reason)
         # The stock step writes into its envelopes and may hand out views of them: they get
-        # their storage back for good.
-        self.envelopes.restore(keep=True)
+        # their storage back for good -- except for a priming pass through the adapter's
+        # declared priming methods, which borrow them for the call (``Envelopes.guard``).
+        if not (priming and self.adapter.priming):
+            self.envelopes.restore(keep=True)
         # The stock step writes the module's own buffers where compiled calls write private
         # copies: hand it the latest values, and take its writes back, so the two stay one buffer.
         with torch.no_grad():
@@ -193,9 +204,14 @@ class CompiledStep:
     def prepare(self, *args, **kwargs) -> bool:
         """Trace and capture the class of this call before traffic arrives, leaving every carry,
         buffer, argument and generator as it was. Returns whether the class is compiled."""
-        return _prepare.prepare(self, args, kwargs)
+        with self._lock:
+            return _prepare.prepare(self, args, kwargs)
 
-    def capture_catalog(self, *args, **kwargs) -> "_prepare.Preparation":
+    def wait_background(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the priming classes compiling in the background; whether none is left."""
+        return self.background.wait(timeout)
+
+    def capture_catalog(self, *args, priming_example=None, **kwargs) -> "_prepare.Preparation":
         """Compile every class of the catalog before the first chunk, from one example call.
 
         The example's region inputs are re-cut to each class's extents (views of the carry) and
@@ -207,9 +223,13 @@ class CompiledStep:
         came (traced, loaded from the compile cache, compiled before) and the graphs it captured
         (``rows``), the compile counters it moved (``work``: the step's counters are left as they
         were, preparing is not traffic), and what the adapter admits that one example cannot
-        prepare (``not_prepared``: the priming pass, partial flushes), with how to; ``print`` it.
+        prepare (``not_prepared``: partial flushes, an undeclared priming pass), with how to;
+        ``print`` it. The adapter's ``prompt_lengths`` are prepared too, as priming classes: from
+        ``priming_example(length) -> (args, kwargs)``, a priming call of that prompt length, when
+        given; else the example is re-cut (region state None, the call input at each length).
         """
-        return _prepare.capture_catalog(self, args, kwargs)
+        with self._lock:
+            return _prepare.capture_catalog(self, args, kwargs, priming_example)
 
     def close(self) -> None:
         """Drop every compiled class and its device graphs and give the module back its released

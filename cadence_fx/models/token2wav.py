@@ -21,14 +21,14 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import nn
 
 __all__ = ["import_stock", "build_cfm", "CFMStep", "prime_cfm", "build_hift", "HiFTStep",
-           "empty_hift_cache", "build_flow", "FlowStep", "prime_flow"]
+           "empty_hift_cache", "build_flow", "FlowStep", "prime_flow", "prompt_call"]
 
 DIT_CONFIG = dict(in_channels=320, out_channels=80, mlp_ratio=4, num_heads=8, head_dim=64,
                   hidden_size=512)
@@ -192,7 +192,10 @@ def build_flow(depth: int = 16, *, blocks=(6, 4), seed: int = 0, device="cpu") -
 
 class FlowStep(nn.Module):
     """One streaming chunk of the flow, then Token2Wav's retention of both attention caches
-    (``Token2wav.stream``: prompt + last 100 frames, dims 4 and 3)."""
+    (``Token2wav.stream``: prompt + last 100 frames, dims 4 and 3). With ``cache=None`` the call
+    is the speaker's priming pass, ``flow.setup_cache(token, prompt_mel, spk)`` as
+    ``Token2wav.set_stream_cache`` makes it: ``token`` is the prompt's tokens with the 3
+    look-ahead tokens, ``prompt_mel`` its (1, frames, 80) mel; it returns ``(None, cache)``."""
 
     def __init__(self, flow: nn.Module, prompt_frames: int = 302, retained_frames: int = 100,
                  n_timesteps: int = 10):
@@ -201,7 +204,10 @@ class FlowStep(nn.Module):
         self.prompt_frames, self.retained_frames, self.n_timesteps = (
             prompt_frames, retained_frames, n_timesteps)
 
-    def forward(self, token, spk, cache: Dict[str, torch.Tensor], last_chunk: bool = False):
+    def forward(self, token, spk, cache: Optional[Dict[str, torch.Tensor]], last_chunk: bool = False,
+                prompt_mel: Optional[torch.Tensor] = None):
+        if cache is None:
+            return None, self.flow.setup_cache(token, prompt_mel, spk, n_timesteps=self.n_timesteps)
         mel, cache = self.flow.inference_chunk(token=token, spk=spk, cache=cache,
                                                last_chunk=last_chunk, n_timesteps=self.n_timesteps)
         p, r = self.prompt_frames, self.retained_frames
@@ -215,13 +221,22 @@ class FlowStep(nn.Module):
         return mel, cache
 
 
+def prompt_call(step: FlowStep, *, seed: int = 1, device="cpu", frames: Optional[int] = None):
+    """A synthetic speaker prompt: ``(tokens, mel, spk)`` with ``frames // 2`` tokens + 3
+    look-ahead (default ``frames``: the step's 302 prompt frames). ``step(tokens, spk, None,
+    prompt_mel=mel)`` primes through the step (a compiled priming class)."""
+    frames = step.prompt_frames if frames is None else frames
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 6561, (1, frames // 2 + 3), generator=g).to(device)
+    mel = torch.randn(1, frames, 80, generator=g).to(device)
+    spk = torch.randn(1, 192, generator=g).to(device)
+    return tokens, mel, spk
+
+
 def prime_flow(step: FlowStep, *, seed: int = 1, device="cpu"):
     """``setup_cache`` on a synthetic prompt (151 tokens + 3 look-ahead, 302 mel frames), eager
     by construction; returns ``(spk, prompt state)``, the state cloned as a caller keeps it."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 6561, (1, step.prompt_frames // 2 + 3), generator=g).to(device)
-    mel = torch.randn(1, step.prompt_frames, 80, generator=g).to(device)
-    spk = torch.randn(1, 192, generator=g).to(device)
+    tokens, mel, spk = prompt_call(step, seed=seed, device=device)
     with torch.inference_mode():
         state = step.flow.setup_cache(tokens, mel, spk, n_timesteps=step.n_timesteps)
     return spk, {k: v.clone() for k, v in state.items()}
