@@ -123,15 +123,21 @@ def capture_catalog(cs, args, kwargs, priming_example=None) -> Preparation:
         _prepare_row(cs, done, (extents, w), _replace_leaves(named, synth), start,
                      f"class {i + 1}/{len(cs.catalog.classes)}")
     for length in ad.prompt_widths():
-        start = time.perf_counter()
-        _prepare_row(cs, done, (tuple(None for _ in ad.regions), length),
-                     _priming_call(cs, named, by_path, length, priming_example), start,
-                     f"priming class, prompt length {length}:")
+        start, cls = time.perf_counter(), (tuple(None for _ in ad.regions), length)
+        row = _prepare_row(cs, done, cls, _priming_call(cs, named, by_path, length, priming_example),
+                           start, f"priming class, prompt length {length}:")
+        if not done[cls] and priming_example is None:   # the re-cut is no priming call here
+            del done[cls]
+            done.rows.remove(row)
+            done.not_prepared.append(
+                f"the priming pass at prompt length {length}: the example re-cut to a priming "
+                f"call ran {row['how']}; pass capture_catalog(..., priming_example=lambda "
+                "length: (args, kwargs)) with a priming call of that length")
     return done
 
 
-def _prepare_row(cs, done: Preparation, cls: Tuple, call: dict, start: float, label: str) -> None:
-    """Prepare one class from ``call`` and record its row and work in ``done``."""
+def _prepare_row(cs, done: Preparation, cls: Tuple, call: dict, start: float, label: str) -> dict:
+    """Prepare one class from ``call`` and record its row and work in ``done``; returns the row."""
     work: Dict[str, int] = dict.fromkeys((*WORK, "graphs"), 0)
     try:
         done[cls] = prepare(cs, (), call, work)
@@ -149,6 +155,7 @@ def _prepare_row(cs, done: Preparation, cls: Tuple, call: dict, start: float, la
         done.work[k] = done.work.get(k, 0) + v
     progress.note("%s %s: %s, %d graphs, in %.1f s", label, cls, row["how"], row["graphs"],
                   row["seconds"])
+    return row
 
 
 def _priming_call(cs, named, by_path, length: int, priming_example) -> dict:
