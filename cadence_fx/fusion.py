@@ -171,6 +171,7 @@ class FusedRegion(torch.nn.Module):
         self.loaded = False               # fused or stock by a stored verdict, not verified here
         self._checked = True              # a loaded kernel's inputs were seen at its layout
         self._verified_at: Optional[str] = None   # the layout its stored verdict was made at
+        self._looked = False              # its first call looked its key up in ``store``
         self.stock = stock
         # ``graph_key`` of the stock graph (a region loaded as code has no graph of its own)
         self.graph = graph if graph is not None or not isinstance(stock, torch.fx.GraphModule) \
@@ -183,6 +184,11 @@ class FusedRegion(torch.nn.Module):
         self._fused: Optional[Callable] = None
 
     def forward(self, *args):
+        if self.state == "pending" and not self._looked:
+            # a region with its key may have been verified since this one was built (the same
+            # block earlier in this pass): its verdict is taken as a restart would take it
+            self._looked = True
+            self.resolve(self.store)
         if not self._checked:
             self._checked = True
             if repr(layout_key(args)) != self._verified_at:   # not what its verdict was made at

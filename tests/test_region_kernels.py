@@ -95,6 +95,25 @@ def test_a_fresh_process_with_empty_inductor_caches_starts_warm(fuse_on_cpu, sto
     assert "cadence_fx compile cache" not in run.stderr
 
 
+def test_each_kernel_key_is_verified_once_per_process(fuse_on_cpu, stock, tmp_path, monkeypatch):
+    """The first region of a key to run verifies it; every later one with that key, in the same
+    class (the decoder's second layer) or a later one, takes its verdict as a restart would."""
+    verified = []
+    inner = FusedRegion.verify
+
+    def counting(self, args):
+        verified.append(self._key(fusion._modes() + self.layout))
+        return inner(self, args)
+    monkeypatch.setattr(FusedRegion, "verify", counting)
+    cold = cadence_fx.compile(make_decoder(), DECODER_ADAPTER, cache_dir=tmp_path / "cache")
+    assert _same(stock, script(cold))
+    ran = [r for r in _regions(cold) if r.state != "pending"]
+    keys = {r._key(fusion._modes() + r.layout) for r in ran}
+    assert len(ran) > len(keys) and sorted(verified) == sorted(keys)
+    assert cold.counters.fusions_loaded == len(ran) - len(keys)
+    assert sum(r.state == "fused" for r in ran) == cold.counters.fused_regions > 0
+
+
 def test_an_edited_pass_compiles_again(fuse_on_cpu, stock, tmp_path, monkeypatch):
     """The key covers the compiler's source: the same step with one pass file edited loads
     nothing of what the old pass compiled, its classes nor its regions' kernels."""
