@@ -18,6 +18,12 @@ chunks, and the resident memory of one more session is its snapshot, not another
 
 ``step`` returns what the compiled step returns. Region results in it are views of the shared
 carries: valid until another session's chunk runs (the pool keeps the session's own copy).
+
+``SessionPool(compiled, lanes=L)`` keeps L independent sets of carries and graphs (``lanes.py``):
+a session is placed on the lane with the fewest sessions when it opens and stays there; each
+lane time-multiplexes its own sessions as above, and chunks of different lanes run on their own
+CUDA streams, concurrently. On CUDA ``step`` returns once the chunk is queued on its lane's
+stream; ``pool.done(sid)`` gives an event to poll (``cadence_fx.scheduler`` does).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import ContractError, GuardError
+from .lanes import Lane, make_lanes
 
 __all__ = ["SessionPool"]
 
@@ -48,8 +55,9 @@ def _locate(tree: Any, path: str) -> Optional[Tuple[Any, Any]]:
 
 
 class _Session:
-    def __init__(self, state, rng):
+    def __init__(self, state, rng, lane: Lane):
         self.state = state
+        self.lane = lane        # for life
         self.rng = rng          # its own generator state when the step draws randomness
         self.snapshots: Dict[str, torch.Tensor] = {}
         self.chunks = 0
@@ -59,7 +67,10 @@ class _Session:
 class SessionPool:
     """Sessions over one ``CompiledStep`` (see the module docstring)."""
 
-    def __init__(self, compiled):
+    def __init__(self, compiled, lanes: int = 1, backend_for_lane=None):
+        """``lanes``: independent sets of carries and graphs (``lanes.py``); lane 0 is
+        ``compiled`` itself. ``backend_for_lane(i)``: lane ``i``'s backend (default: each lane
+        chooses its own at its first class)."""
         if getattr(compiled, "donate_state", False):
             raise ContractError(
                 "a session pool keeps every starting state unwritten (one speaker's prompt may "
@@ -83,22 +94,41 @@ class SessionPool:
         self.state_out = int(outs.pop())
         self._sessions: Dict[int, _Session] = {}
         self._ids = itertools.count()
-        self.resident: Optional[int] = None
-        self.swaps = 0           # resident sessions copied out to their snapshots
+        self.lanes: List[Lane] = make_lanes(compiled, lanes, backend_for_lane)
         self._generator = None   # the device generator sessions draw from (device randomness)
-        self._calls_seen = compiled.counters.calls
+        # replays of graphs drawing device randomness read one seed/offset holder per generator
+        # (filled at each replay): lanes take turns for those chunks
+        self._rng_done = None
+
+    @property
+    def resident(self) -> Optional[int]:
+        """The session whose regions are in lane 0's carries."""
+        return self.lanes[0].resident
+
+    @property
+    def swaps(self) -> int:
+        """Resident sessions copied out to their snapshots, all lanes."""
+        return sum(lane.swaps for lane in self.lanes)
 
     # -- the API -----------------------------------------------------------------------------
-    def open(self, state=None, seed: Optional[int] = None) -> int:
+    def open(self, state=None, seed: Optional[int] = None, lane: Optional[int] = None) -> int:
         """A new session starting from ``state`` (e.g. the prompt state); returns its id. With
         ``state=None`` the session's first chunk is its priming pass: ``step`` hands the step
         ``None`` as the state, and the compiled step runs it as the priming class.
 
         When the adapter declares device randomness, every session draws from its own generator
         state (swapped in around its chunks), started from ``seed`` -- or from the generator's
-        current state when no seed is given -- so its samples never depend on other sessions."""
+        current state when no seed is given -- so its samples never depend on other sessions.
+        The session lives on ``lane`` (default: the lane with the fewest sessions) for life."""
+        if lane is None:
+            home = min(self.lanes, key=lambda x: (x.sessions, x.index))
+        elif isinstance(lane, int) and 0 <= lane < len(self.lanes):
+            home = self.lanes[lane]
+        else:
+            raise ValueError(f"lane {lane!r}: this pool has lanes 0..{len(self.lanes) - 1}")
         sid = next(self._ids)
-        self._sessions[sid] = _Session(self._own(state), self._rng_start(state, seed))
+        self._sessions[sid] = _Session(self._own(state), self._rng_start(state, seed), home)
+        home.sessions += 1
         return sid
 
     def reset(self, sid: int, state=None) -> None:
@@ -107,58 +137,115 @@ class SessionPool:
         session = self._get(sid)
         session.state = self._own(state)
         session.lost = False
-        if self.resident == sid:
-            self.resident = None   # its old data in the carries is no longer wanted
+        if session.lane.resident == sid:
+            session.lane.resident = None   # its old data in the carries is no longer wanted
 
     def close(self, sid: int) -> None:
-        self._get(sid)
+        session = self._get(sid)
         del self._sessions[sid]
-        if self.resident == sid:
-            self.resident = None
+        session.lane.sessions -= 1
+        if session.lane.resident == sid:
+            session.lane.resident = None
 
     def step(self, sid: int, *args, **kwargs):
-        """Run one chunk of session ``sid``: the step's arguments without the state."""
+        """Run one chunk of session ``sid``: the step's arguments without the state. On CUDA it
+        is queued on the session's lane stream (``done(sid)`` is its event)."""
         session = self._get(sid)
         if self.state_arg in kwargs:
             raise TypeError(f"pass the step's arguments without {self.state_arg!r}: the pool "
                             "holds each session's state")
-        if self.resident is not None and self.compiled.counters.calls != self._calls_seen:
-            lost, self.resident = self.resident, None
+        lane = session.lane
+        self._check_lane(lane)
+        if session.lost:
+            raise GuardError(f"session {sid} lost its state (see the earlier error); call "
+                             f"pool.reset({sid}, state) to restart it")
+        kwargs[self.state_arg] = session.state
+        compiled = lane.compiled
+        compiled_before = compiled.counters.compiled_calls
+        with lane.running():
+            if lane.resident is not None and lane.resident != sid:
+                self._save(self._sessions[lane.resident])
+            result = self._call(session, args, kwargs)
+        session.chunks += 1
+        lane.calls_seen = compiled.counters.calls
+        if compiled.counters.compiled_calls > compiled_before:
+            session.state = result[self.state_out]
+            lane.resident = sid
+        else:
+            # The stock step ran (a call outside the catalog). Its state may be views of the
+            # module's own scratch buffers, which the next stock call of any session overwrites:
+            # the session takes its own copy, and no session is resident in the carries.
+            with lane.running():
+                session.state = pytree.tree_map(
+                    lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
+                    result[self.state_out])
+            lane.resident = None
+        return result
+
+    def _call(self, session: _Session, args, kwargs):
+        """The compiled step of the session's lane, with the session's generator swapped in."""
+        if session.rng is None:
+            return session.lane.compiled(*args, **kwargs)
+        gen, stream = self._generator, session.lane.stream
+        if stream is not None and self._rng_done is not None and len(self.lanes) > 1:
+            stream.wait_event(self._rng_done)
+        outside = gen.get_state()
+        gen.set_state(session.rng)
+        try:
+            return session.lane.compiled(*args, **kwargs)
+        finally:
+            session.rng = gen.get_state()
+            gen.set_state(outside)
+            if stream is not None and len(self.lanes) > 1:
+                self._rng_done = session.lane.done()
+
+    def _check_lane(self, lane: Lane) -> None:
+        """The lane's carries still hold its resident session (nobody called its step outside)."""
+        if lane.resident is not None and lane.compiled.counters.calls != lane.calls_seen:
+            lost, lane.resident = lane.resident, None
             self._sessions[lost].state, self._sessions[lost].lost = None, True
             raise GuardError(
                 f"the compiled step ran outside this pool after session {lost}'s last chunk, so "
                 f"the carries no longer hold that session's state: pool.reset({lost}, state) "
                 "restarts it. Serve every stream of a compiled step through one pool")
-        if session.lost:
-            raise GuardError(f"session {sid} lost its state (see the earlier error); call "
-                             f"pool.reset({sid}, state) to restart it")
-        if self.resident is not None and self.resident != sid:
-            self._save(self._sessions[self.resident])
-        kwargs[self.state_arg] = session.state
-        compiled_before = self.compiled.counters.compiled_calls
-        gen = self._generator
-        if session.rng is not None:
-            outside = gen.get_state()
-            gen.set_state(session.rng)
-        try:
-            result = self.compiled(*args, **kwargs)
-        finally:
-            if session.rng is not None:
-                session.rng = gen.get_state()
-                gen.set_state(outside)
-        session.chunks += 1
-        self._calls_seen = self.compiled.counters.calls
-        if self.compiled.counters.compiled_calls > compiled_before:
-            session.state = result[self.state_out]
-            self.resident = sid
-        else:
-            # The stock step ran (a call outside the catalog). Its state may be views of the
-            # module's own scratch buffers, which the next stock call of any session overwrites:
-            # the session takes its own copy, and no session is resident in the carries.
-            session.state = pytree.tree_map(
-                lambda t: t.clone() if isinstance(t, torch.Tensor) else t, result[self.state_out])
-            self.resident = None
-        return result
+
+    def done(self, sid: int):
+        """An event recorded after the session's queued chunks on its lane (None on the CPU,
+        where ``step`` returns when the chunk is done)."""
+        return self._get(sid).lane.done()
+
+    def lane_of(self, sid: int) -> int:
+        return self._get(sid).lane.index
+
+    def capture_catalog(self, *args, **kwargs) -> list:
+        """``capture_catalog`` on every lane (each on its stream), from one example call of the
+        step (with its state); returns each lane's ``Preparation``."""
+        out = []
+        for lane in self.lanes:
+            with lane.running():
+                out.append(lane.compiled.capture_catalog(*args, **kwargs))
+            lane.calls_seen = lane.compiled.counters.calls
+        return out
+
+    def memory(self) -> dict:
+        """Bytes held per lane (carries, private buffers, graph pools) and per session (its
+        snapshots and own state tensors outside the carries)."""
+        per_lane = [lane.memory() for lane in self.lanes]
+        per_session = {sid: self._session_bytes(s) for sid, s in self._sessions.items()}
+        return {"lanes": per_lane, "sessions": per_session,
+                "lane_bytes": [sum(m.values()) - m["graphs_allocated"] for m in per_lane],
+                "session_bytes_mean": (sum(per_session.values()) / len(per_session)
+                                       if per_session else 0)}
+
+    def _session_bytes(self, session: _Session) -> int:
+        snaps = sum(t.untyped_storage().nbytes() for t in session.snapshots.values())
+        carries = [c for c in session.lane.compiled.carries.values()]
+        own = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+               for t in pytree.tree_leaves(session.state) if isinstance(t, torch.Tensor)
+               and not any(c.holds(t) for c in carries)
+               and not any(t.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
+                           for s in session.snapshots.values())}
+        return snaps + sum(own.values())
 
     @property
     def sessions(self) -> List[int]:
@@ -209,10 +296,10 @@ class SessionPool:
         return pytree.tree_unflatten(own, spec)
 
     def _save(self, session: _Session) -> None:
-        """Copy the resident session's regions out of the carries into its own snapshots."""
+        """Copy the resident session's regions out of its lane's carries into its snapshots."""
         root = {self.state_arg: session.state}
         for r in self.adapter.regions:
-            carry = self.compiled.carries.get(r.name)
+            carry = session.lane.compiled.carries.get(r.name)
             found = _locate(root, r.input)
             if carry is None or found is None:
                 continue
@@ -233,4 +320,4 @@ class SessionPool:
                                     "write; keep the state in a dict or a list")
             container[key] = view
         session.state = root[self.state_arg]   # the state itself may be the region's tensor
-        self.swaps += 1
+        session.lane.swaps += 1

@@ -1,0 +1,113 @@
+"""Lanes: independent sets of carries and captured graphs of one compiled step, on one device.
+
+A ``SessionPool`` time-multiplexes its sessions over one set of carries and graphs. A lane is one
+more set: a ``CompiledStep`` over the same module and weights with carries, private buffers and a
+backend of its own (on CUDA: its own capture stream, graph memory pool and, through that stream,
+its own cuBLAS workspace), and a stream its calls run on. Every session lives on one lane for life;
+chunks of different lanes replay concurrently on the device, the same kernels at the same shapes.
+
+What lanes share: the module (weights are read only), the stock envelopes released by the first
+lane (``release_envelopes``: one ``Envelopes`` lends them to every lane's compile and priming),
+and traces (a lane copies the first lane's traces instead of tracing again).
+
+cuBLAS and bitwise results: cuBLAS gives bitwise-identical results for the same call on any
+stream only when each stream has its own workspace and the workspace size is pinned
+(``CUBLAS_WORKSPACE_CONFIG=:4096:8``, ``cadence_fx.pin_deterministic_kernels``); torch keys its
+workspaces by (handle, stream). A CUDA graph keeps the workspace of the stream it was captured on,
+so two graphs captured on one stream and replayed concurrently would share one workspace: each
+lane captures on its own stream, and replays its graphs on its own stream only.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, List, Optional
+
+import torch
+
+__all__ = ["Lane", "make_lanes"]
+
+
+class Lane:
+    """One lane: its compiled step, its stream (None on the CPU) and the session in its carries."""
+
+    def __init__(self, index: int, compiled, stream: Optional["torch.cuda.Stream"]):
+        self.index = index
+        self.compiled = compiled
+        self.stream = stream
+        self.resident: Optional[int] = None   # the session whose regions are in the carries
+        self.calls_seen = compiled.counters.calls
+        self.swaps = 0
+        self.sessions = 0
+
+    @contextlib.contextmanager
+    def running(self):
+        """Run a chunk on the lane's stream, after the work the caller's stream has queued (its
+        inputs); the caller's stream does not wait for the lane (other lanes would then wait too):
+        read results after ``done()``."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def done(self) -> Optional["torch.cuda.Event"]:
+        """An event recorded after the lane's queued work (None on the CPU): poll ``query()``."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def memory(self) -> dict:
+        """Bytes the lane holds: carries, private buffer copies, device graphs' pool."""
+        cs = self.compiled
+        backend = cs.backend
+        return {"carries": sum(_nbytes(c.tensor) for c in cs.carries.values()),
+                "private_buffers": sum(_nbytes(t) for t in cs._private.values()),
+                "graphs_allocated": getattr(backend, "graph_allocated_bytes", 0),
+                "graphs_reserved": getattr(backend, "graph_reserved_bytes", 0)}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def make_lanes(compiled, n: int, backend_for_lane: Optional[Callable[[int], object]] = None
+               ) -> List[Lane]:
+    """``n`` lanes over ``compiled``: lane 0 is ``compiled`` itself, lanes 1.. are new compiled
+    steps of the same step and module. ``backend_for_lane(i)`` gives lane ``i``'s backend
+    (default: chosen at each lane's first class, so every lane has its own)."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"lanes={n!r}: give a positive number of lanes (1 serves every session "
+                         "from one set of carries and graphs)")
+    if n > 1 and getattr(compiled, "donate_state", False):
+        raise ValueError("lanes > 1 with donate_state=True: a donated state becomes one lane's "
+                         "carry; compile without donate_state")
+    on_cuda = any(p.is_cuda for p in compiled.module.parameters())
+    if backend_for_lane is not None and compiled.backend is None:
+        compiled.backend = backend_for_lane(0)
+    lanes = [Lane(0, compiled, torch.cuda.Stream() if on_cuda else None)]
+    for i in range(1, n):
+        lanes.append(Lane(i, _lane_step(compiled, backend_for_lane(i) if backend_for_lane
+                                        else None), torch.cuda.Stream() if on_cuda else None))
+    return lanes
+
+
+def _lane_step(compiled, backend):
+    """A compiled step like ``compiled``: same module, adapter and options; its own carries,
+    private buffers and backend; the first lane's envelopes and traces."""
+    from .runtime import CompiledStep
+    if compiled.trace_cache is None:
+        compiled.trace_cache = {}
+    fn = getattr(compiled._fn, "__func__", compiled._fn)
+    for key, traced in compiled.before.items():   # traces lane 0 made before sharing began
+        compiled.trace_cache.setdefault((id(compiled.module), fn, key), traced)
+    lane = CompiledStep(compiled.step, compiled.adapter, compiled.module, verify=compiled.verify,
+                        strict=compiled.strict, options=compiled.options, backend=backend,
+                        tracing_mode=compiled.tracing_mode, graphs=compiled.graphs,
+                        copy_outputs=compiled.copy_outputs, trace_cache=compiled.trace_cache,
+                        keep_before=False)
+    lane.release_envelopes, lane.envelopes = compiled.release_envelopes, compiled.envelopes
+    lane.kernel_store = compiled.kernel_store
+    return lane

@@ -1,0 +1,199 @@
+"""A deadline scheduler: an asyncio serving loop over a ``SessionPool``'s lanes.
+
+Chunks arrive for sessions at any time; each has a real-time deadline (its arrival plus the audio
+it carries, ``period_ms``, unless given). The loop dispatches the chunk with the earliest deadline
+to an idle lane (one chunk in flight per lane, a session's chunks in order), and never blocks on
+the device: a dispatched chunk is only queued on its lane's CUDA stream, and completion is seen by
+polling a CUDA event (``query()``), never by synchronizing. On the CPU a chunk is done when its
+call returns. Per chunk it records the queueing (arrival to dispatch) and the latency (arrival to
+completion seen), and whether the deadline was missed.
+
+    sched = Scheduler(pool, period_ms=1000.0)
+    sid = sched.open(prompt_state, seed=7)          # pool.open
+    out = await sched.submit(sid, mu, spks, cond)   # the chunk's arguments, as pool.step takes
+    sched.close(sid)
+    sched.report()   # {"chunks", "latency_p50_ms", "latency_p99_ms", "deadline_misses", ...}
+
+A server (a Ray Serve replica) owns one scheduler per pool and awaits ``submit`` from its request
+handlers; ``run``/``done``/``lane`` replace the pool's step, completion event and lane for a
+chunk that spans several pools (Token2Wav's flow and vocoder, on the same lane); chunks run
+under ``modes()`` (default ``torch.inference_mode``: the modes are part of every class key).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import heapq
+import itertools
+import time
+from typing import Callable, Deque, Dict, List, Optional
+
+import torch
+
+__all__ = ["Scheduler", "ChunkRecord"]
+
+
+@dataclasses.dataclass
+class ChunkRecord:
+    sid: int
+    lane: int
+    arrival: float
+    deadline: float
+    dispatched: float = 0.0
+    completed: float = 0.0
+
+    @property
+    def latency_ms(self) -> float:
+        return (self.completed - self.arrival) * 1e3
+
+    @property
+    def queued_ms(self) -> float:
+        return (self.dispatched - self.arrival) * 1e3
+
+    @property
+    def missed(self) -> bool:
+        return self.completed > self.deadline
+
+
+@dataclasses.dataclass
+class _Chunk:
+    record: ChunkRecord
+    args: tuple
+    kwargs: dict
+    future: asyncio.Future
+
+
+class Scheduler:
+    """Earliest-deadline-first dispatch of session chunks onto a pool's lanes (module docstring)."""
+
+    def __init__(self, pool, *, period_ms: float = 1000.0, poll_ms: float = 0.2,
+                 run: Optional[Callable] = None, done: Optional[Callable] = None,
+                 lane: Optional[Callable[[int], int]] = None, clock=time.perf_counter,
+                 modes: Callable = torch.inference_mode):
+        if period_ms <= 0 or poll_ms <= 0:
+            raise ValueError(f"period_ms {period_ms} and poll_ms {poll_ms} must be positive: "
+                             "a chunk's deadline is its arrival plus the audio it carries")
+        self.pool = pool
+        self.period_s, self.poll_s = period_ms / 1e3, poll_ms / 1e3
+        self._run = run or pool.step
+        self._done = done or pool.done
+        self._lane = lane or pool.lane_of
+        self.clock = clock
+        # grad/inference/autocast modes are part of every class key: chunks run under ``modes()``
+        # (the loop task does not inherit the submitter's)
+        self.modes = modes
+        self._queues: Dict[int, Deque[_Chunk]] = collections.defaultdict(collections.deque)
+        self._in_flight: Dict[int, tuple] = {}     # lane -> (chunk, event)
+        self._order = itertools.count()
+        self._wake: Optional[asyncio.Event] = None
+        self._task: Optional[asyncio.Task] = None
+        self.records: List[ChunkRecord] = []
+
+    # -- the API -------------------------------------------------------------------------------
+    def open(self, state=None, **kwargs) -> int:
+        return self.pool.open(state, **kwargs)
+
+    def close(self, sid: int) -> None:
+        """Close a session; chunks of it still queued are cancelled."""
+        for chunk in self._queues.pop(sid, ()):
+            chunk.future.cancel()
+        self.pool.close(sid)
+
+    def submit(self, sid: int, *args, deadline: Optional[float] = None, **kwargs) -> asyncio.Future:
+        """Queue one chunk of session ``sid`` (the pool step's arguments); await the returned
+        future for its output. ``deadline`` (on ``clock``) defaults to now + ``period_ms``."""
+        loop = asyncio.get_running_loop()
+        self._ensure_running(loop)
+        now = self.clock()
+        record = ChunkRecord(sid, self._lane(sid), now, now + self.period_s if deadline is None
+                             else deadline)
+        chunk = _Chunk(record, args, kwargs, loop.create_future())
+        self._queues[sid].append(chunk)
+        self._wake.set()
+        return chunk.future
+
+    async def drain(self) -> None:
+        """Wait until every queued chunk is done."""
+        while any(self._queues.values()) or self._in_flight:
+            await asyncio.sleep(self.poll_s)
+
+    async def stop(self) -> None:
+        await self.drain()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    def report(self) -> dict:
+        """Per-chunk latency and queueing p50/p99 (ms), deadline misses, chunks per lane."""
+        rs = self.records
+        lat = sorted(r.latency_ms for r in rs)
+        queued = sorted(r.queued_ms for r in rs)
+        lanes = collections.Counter(r.lane for r in rs)
+        return {"chunks": len(rs), "latency_p50_ms": _pct(lat, 0.5),
+                "latency_p99_ms": _pct(lat, 0.99), "latency_max_ms": lat[-1] if lat else None,
+                "queued_p50_ms": _pct(queued, 0.5), "queued_p99_ms": _pct(queued, 0.99),
+                "deadline_misses": sum(r.missed for r in rs),
+                "chunks_per_lane": dict(sorted(lanes.items()))}
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _ensure_running(self, loop) -> None:
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            self._complete()
+            self._dispatch()
+            if self._in_flight:
+                await asyncio.sleep(self.poll_s)   # poll the lanes' events
+            elif not any(self._queues.values()):
+                self._wake.clear()
+                await self._wake.wait()
+            else:
+                await asyncio.sleep(0)
+
+    def _complete(self) -> None:
+        """Resolve the chunks whose lane event has completed (``query``, never a sync)."""
+        for lane, (chunk, event, out) in list(self._in_flight.items()):
+            if event is not None and not event.query():
+                continue
+            del self._in_flight[lane]
+            chunk.record.completed = self.clock()
+            self.records.append(chunk.record)
+            if not chunk.future.done():
+                chunk.future.set_result(out)
+
+    def _dispatch(self) -> None:
+        """Earliest deadline first among each session's oldest chunk, one chunk per idle lane."""
+        busy = set(self._in_flight)
+        heads = [(q[0].record.deadline, next(self._order), sid) for sid, q in self._queues.items()
+                 if q and q[0].record.lane not in busy]
+        heapq.heapify(heads)
+        while heads:
+            _, _, sid = heapq.heappop(heads)
+            chunk = self._queues[sid][0]
+            if chunk.record.lane in busy:
+                continue
+            self._queues[sid].popleft()
+            chunk.record.dispatched = self.clock()
+            try:
+                with self.modes():
+                    out = self._run(sid, *chunk.args, **chunk.kwargs)
+            except Exception as e:  # noqa: BLE001 - the caller awaiting this chunk gets it
+                chunk.record.completed = self.clock()
+                chunk.future.set_exception(e)
+                continue
+            self._in_flight[chunk.record.lane] = (chunk, self._done(sid), out)
+            busy.add(chunk.record.lane)
+
+
+def _pct(xs: List[float], q: float) -> Optional[float]:
+    if not xs:
+        return None
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
