@@ -107,9 +107,11 @@ def _same_storage(node: Node, key) -> bool:
 
 
 def _view(d: torch.Tensor, box) -> torch.Tensor:
-    for dim, (a, b) in enumerate(box):
-        d = d.narrow(dim, a, b - a)
-    return d
+    """``d`` narrowed to ``box`` (a (start, stop) per dim), as one ``as_strided``: on the trace's
+    fake values a chain of ``narrow``s is a decomposition and a cache key per dim (most of this
+    pass's time on the DiT), while the view itself is only arithmetic on sizes and offsets."""
+    offset = d.storage_offset() + sum(a * s for (a, _), s in zip(box, d.stride()))
+    return d.as_strided([b - a for a, b in box], d.stride(), offset)
 
 
 def _merge_splits(leaves: List[tuple]) -> List[tuple]:
@@ -297,11 +299,12 @@ def _rewrite(gm: GraphModule, write: Node, device: str) -> Union[int, str]:
         base = env[chain[0]]
 
     def view_of(box) -> Node:
-        node, value = base, d
+        node = base
+        whole = [(0, size) for size in d.shape]
         for dim, ((a, b), size) in enumerate(zip(box, d.shape)):
             if (a, b) != (0, size):
-                value = value.narrow(dim, a, b - a)
-                node = emit(aten.slice.Tensor, (node, dim, a, b), value)
+                whole[dim] = (a, b)
+                node = emit(aten.slice.Tensor, (node, dim, a, b), _view(d, whole))
         return node
 
     made = {c: view_of(boxes[c]) for c in tree.cats if any(u in readers for u in c.users)}
