@@ -1,0 +1,158 @@
+"""Token2Wav sessions through Ray Serve on the GPU against the same session pool in-process.
+
+    python bench/serve.py --out bench/results/DATE-h200-serve.json [--ns 4,8,10,12,14]
+        [--rounds 6] [--gpus 1|2] [--cache-dir DIR]
+
+Both paths serve N Token2Wav sessions (flow + HiFT, the real configuration on CUDA, every session
+its own seed) round-robin, one chunk each per round: in-process through ``PoolEngine`` (the
+replica's own engine), and through the application (``build_app``, one replica per GPU) over
+the WebSocket on loopback, one client thread per replica taking its sessions in turn. N is
+real-time when every round, the slowest included, ends within ``--budget-ms`` (900 ms of the
+1 s a chunk carries). Per N and path: chunk p50/p99 (the client's round trip through Ray), the
+slowest round, real-time or not. Per row ``all_bit_exact``: every chunk of every session served
+through Ray equals (``torch.equal``, mel and PCM) the same session in-process. Top level:
+``ray_vs_inprocess_sessions`` (the largest real-time N through Ray over in-process, one GPU),
+``added_p99_ms`` (Ray's p99 minus in-process p99 at the in-process real-time N) and, with
+``--gpus 2``, ``scaling_ratio`` (real-time N on two replicas over one). The device has no Ray:
+``bench/serve_device.sh`` installs it from carried wheels first.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from cadence_fx.serve.engine import PoolEngine
+from cadence_fx.serve.models import build
+
+BUDGET_MS = 900.0
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def summary(chunk_ms, round_ms, n):
+    return {"sessions": n, "chunk_p50_ms": statistics.median(chunk_ms),
+            "chunk_p99_ms": pct(chunk_ms, 0.99), "round_max_ms": max(round_ms),
+            "realtime": max(round_ms) <= BUDGET_MS}
+
+
+def inprocess(engine, model, n, rounds):
+    """N sessions round-robin on the engine; per-chunk ms (synchronised) and every output."""
+    ids = [engine.open(seed=1000 + s) for s in range(n)]
+    outs, chunk_ms, round_ms = [[] for _ in range(n)], [], []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        for s, sid in enumerate(ids):
+            start = time.perf_counter()
+            out, _ = engine.chunk(sid, model.example(1000 + s, r), last=r == rounds - 1)
+            torch.cuda.synchronize()
+            chunk_ms.append((time.perf_counter() - start) * 1e3)
+            outs[s].append(out)
+        round_ms.append((time.perf_counter() - t0) * 1e3)
+    for sid in ids:
+        engine.close(sid)
+    return summary(chunk_ms, round_ms, n), outs
+
+
+def through_ray(url, model, n, rounds):
+    """N sessions over the WebSocket, one client thread per replica, each round-robin over its
+    sessions; round time is the slowest thread's."""
+    from cadence_fx.serve import StreamClient
+    clients = {}
+    sessions = []
+    for s in range(n):
+        probe = StreamClient(url)
+        sess = probe.open(seed=1000 + s)
+        clients.setdefault(sess.replica, []).append((s, sess))
+        sessions.append(sess)
+    outs = [[] for _ in range(n)]
+    chunk_ms, round_ms = [], []
+
+    def group(members, r):
+        for s, sess in members:
+            start = time.perf_counter()
+            outs[s].append(sess.chunk(last=r == rounds - 1, **model.example(1000 + s, r)))
+            chunk_ms.append((time.perf_counter() - start) * 1e3)
+
+    with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            list(pool.map(lambda m: group(m, r), clients.values()))
+            round_ms.append((time.perf_counter() - t0) * 1e3)
+    for sess in sessions:
+        sess.close()
+        sess.client.close()
+    return summary(chunk_ms, round_ms, n), outs
+
+
+def exact(a, b):
+    return all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+               for sa, sb in zip(a, b) for x, y in zip(sa, sb))
+
+
+def start_ray(gpus, cache_dir, port):
+    import ray
+    from ray import serve
+    from cadence_fx.serve import build_app
+    ray.init(num_gpus=gpus, include_dashboard=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app("token2wav", gpus, cache_dir=cache_dir, num_gpus=1), name="bench",
+              route_prefix="/")
+    return f"ws://127.0.0.1:{port}/v1/stream"
+
+
+def largest(rows, key):
+    return max((r["sessions"] for r in rows if r[key]["realtime"]), default=0)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ns", default="4,8,10,12,14")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--gpus", type=int, default=1, choices=[1, 2])
+    ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--port", type=int, default=8000)
+    args = ap.parse_args()
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="cfx-serve-")
+    model = build("token2wav", "cuda", cache_dir)
+    engine = PoolEngine(model)
+    warm = engine.warm()          # fills the cache the replicas start from
+    ns = [int(n) for n in args.ns.split(",")]
+    url = start_ray(args.gpus, cache_dir, args.port)
+    rows = []
+    for n in ns:
+        local, local_outs = inprocess(engine, model, n, args.rounds)
+        remote, remote_outs = through_ray(url, model, n, args.rounds)
+        rows.append({"sessions": n, "inprocess": local, "ray": remote, "gpus": args.gpus,
+                     "all_bit_exact": exact(local_outs, remote_outs)})
+        print(json.dumps(rows[-1]), flush=True)
+    best_local, best_ray = largest(rows, "inprocess"), largest(rows, "ray")
+    at = next((r for r in rows if r["sessions"] == best_local), rows[0])
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "commit": os.environ.get("CADENCE_COMMIT", "unknown"), "gpus": args.gpus,
+              "rounds": args.rounds, "budget_ms": BUDGET_MS, "warm": warm, "rows": rows,
+              "inprocess_realtime_sessions": best_local, "ray_realtime_sessions": best_ray,
+              "ray_vs_inprocess_sessions": best_ray / best_local if best_local else None,
+              "added_p99_ms": at["ray"]["chunk_p99_ms"] - at["inprocess"]["chunk_p99_ms"],
+              "all_bit_exact": all(r["all_bit_exact"] for r in rows),
+              # two replicas through Ray against the one-GPU pool in-process
+              **({"scaling_ratio": best_ray / best_local if best_local else None}
+                 if args.gpus == 2 else {}),
+              "date": datetime.date.today().isoformat()}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
