@@ -9,6 +9,10 @@ Cases handled, per declared region (``C`` is the region's carry, ``d`` its frame
 * retention (eq. 3): ``cat([X[:P], X[L-R:L]])`` becomes ``C[P:P+R] = X[L-R:L]`` (plus
   ``C[:P] = X[:P]`` when ``X`` is not already ``C``); overlapping moves are split into disjoint
   pieces copied low to high, so the values equal the stock concat.
+* prompt-retained join (``_carry_prompt.py``): ``X = cat([C[:l], x])`` cut to
+  ``cat([X[:P], X[L-R:L]])`` (or prepended, cut to the newest frames and the prompt): the kept
+  old frames move, ``x`` is written, the prompt stays where it is; a join read beyond its cut
+  becomes the carry's room (append order), else stays a temporary with a near miss saying why.
 * window (``_carry_window.py``): ``cat([C[:l], x])[..., -W:]`` (or ``narrow``, a ``split`` part,
   with the slice conditional or not; prepend order too) becomes ``C[l:l+c] = x``, its readers
   read carry views, and the kept frames move down last: no concatenation is left. Kind
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
@@ -39,14 +43,15 @@ from torch.fx.passes.infra.pass_base import PassResult
 from cadence_fx.audit import check_carry_write
 from cadence_fx.context import PassContext, RegionBinding
 from cadence_fx.fx_utils import (CATS, aten, dead_code_elimination, is_mutating, mutated_arg,
-                                 slice_bounds, storage_key, val, view_chain)
+                                 storage_key, val, view_chain)
 from cadence_fx.tracing import InputSpec
 
 from ._carry_envelope import replace_envelope
 from ._carry_graph import (carry_offset, copy_, fake_mode, out_values, output_node, set_out_value,
                            slice_)
+from ._carry_prompt import Join, cut_of, find_join, prepare_join, write_join
 from ._carry_stacked import Stacked, find_stacked, rewrite_stacked
-from ._carry_window import find_window, move, rewrite_window
+from ._carry_window import Window, find_window, move, rewrite_window
 
 __all__ = ["carry_retention"]
 
@@ -94,82 +99,126 @@ def _retention_source(node: Node) -> Optional[Node]:
     return x if parts[1].args[0] is x else None
 
 
+@dataclasses.dataclass
+class _Plan:
+    """How one region's new state is written: through a window, a prompt-retained join, or
+    (neither) a retention of the carry or a copy, with the stock value the audit compares."""
+    stock: Node
+    window: Optional[Union[Window, Stacked]] = None
+    join: Optional[Join] = None
+    why: Optional[str] = None       # why it is no window (for a copy's detail)
+
+
 def _write_state(gm: GraphModule, ctx: PassContext, b: RegionBinding, out: Node) -> bool:
     r, d = b.region, b.region.dim
     state = out_values(out)[b.out_index]
+    frames = _frames_to_write(ctx, b, state)
+    if frames is None:
+        return False
+    plan = _plan(gm, ctx, b, state, frames)
+    with gm.graph.inserting_before(out):
+        _detach_other_results(gm, b, out)
+        dst = slice_(gm, b.carry_node, d, 0, frames)
+        if plan.join is not None:
+            kind, detail = write_join(gm, b, plan.join, dst)
+        elif plan.window is not None:
+            kind, detail = _write_window(gm, b, plan.window, frames)
+        else:
+            kind = _try_retention(gm, b, state, dst) or _materialize(gm, b, state, dst)
+            detail = f"new state ({frames} frames) written into C[:{frames}]"
+            if kind == "materialize":
+                detail += f": copied once, because {plan.why or 'it is not a window of the old state'}"
+        if ctx.verify:
+            _audit(gm, ctx, r.name, kind, plan.stock, dst)
+    set_out_value(out, b.out_index, dst)
+    ctx.note(kind, r.name, detail)
+    return True
+
+
+def _frames_to_write(ctx: PassContext, b: RegionBinding, state: Node) -> Optional[int]:
+    """The new state's frames, or None (with a note) when the carry cannot or need not take it."""
+    r, d = b.region, b.region.dim
     v = val(state)
     if v is None:
         ctx.note("near_miss", r.name, "the new state has no recorded shape")
-        return False
+        return None
     frames = v.shape[d]
     want = list(b.carry.tensor.shape)
     if list(v.shape[:d]) + list(v.shape[d + 1:]) != want[:d] + want[d + 1:] or v.dtype != b.carry.tensor.dtype:
         ctx.note("near_miss", r.name, f"new state {tuple(v.shape)} {v.dtype} does not match the "
                  f"declared carry {tuple(want)} {b.carry.tensor.dtype} outside the frame dim")
-        return False
+        return None
     if frames > b.carry.extent:
         ctx.note("near_miss", r.name, f"new state holds {frames} frames, beyond the declared "
                  f"extent {b.carry.extent}; check the retention clocks")
-        return False
-    at = carry_offset(state, b, frames)
-    if at:
+        return None
+    if carry_offset(state, b, frames):
         ctx.note("in_place", r.name, f"state is already C[:{frames}]")
-        return False
+        return None
     late = _late_carry_write(state, b)
     if late is not None:
         ctx.note("near_miss", r.name, f"{late.name} writes the carry after the new state is formed")
-        return False
-    stock, window, why = state, None, None
-    if _retention_source(state) is None:
-        window = find_window(b, state)
-        stacked = find_stacked(b, state) if isinstance(window, str) else None
-        if isinstance(stacked, Stacked):
-            window, done = None, rewrite_stacked(gm, b, stacked)
-            if isinstance(done, str):
-                ctx.note("near_miss", r.name, done)
-                why = done
-            else:
-                window = dataclasses.replace(stacked, start=done, stop=done + frames)
-        elif isinstance(window, str):   # (with the reason it is no join of windows, if a join)
-            window, why = None, window if stacked is None else f"{window}; {stacked}"
+        return None
+    return frames
+
+
+def _plan(gm: GraphModule, ctx: PassContext, b: RegionBinding, state: Node, frames: int) -> _Plan:
+    """Find the form the new state takes and rewrite what must change before the output: a
+    window or a join made a view of the carry, per-layer windows written on their slices."""
+    plan = _Plan(stock=state)
+    if _retention_source(state) is not None:
+        join = find_join(b, state)
+        if isinstance(join, Join):
+            plan.join, stock = join, prepare_join(gm, b, join, keep_stock=ctx.verify)
+            plan.stock = stock if stock is not None else state
+            if join.how == "temporary":
+                ctx.note("near_miss", b.region.name, join.why)
+        elif isinstance(join, str):
+            ctx.note("near_miss", b.region.name, f"the cut's concatenation is copied: {join}")
+        return plan
+    window = find_window(b, state)
+    stacked = find_stacked(b, state) if isinstance(window, str) else None
+    if isinstance(stacked, Stacked):
+        done = rewrite_stacked(gm, b, stacked)
+        if isinstance(done, str):
+            ctx.note("near_miss", b.region.name, done)
+            plan.why = done
         else:
-            done = rewrite_window(gm, b, window, keep_stock=ctx.verify)
-            if isinstance(done, str):
-                ctx.note("near_miss", r.name, done)
-                window, why = None, done
-            else:
-                state, stock = done[0], done[1] if ctx.verify else state
-    with gm.graph.inserting_before(out):
-        _detach_other_results(gm, b, out)
-        dst = slice_(gm, b.carry_node, d, 0, frames)
-        if window is not None:
-            move(gm, b, window.start, 0, frames)   # nothing when the window starts at 0
-            kind = "retention" if frames < window.held + window.added else "append"
-            if isinstance(window, Stacked):
-                lo, hi = window.parts[0][1].taken
-                detail = (f"{len(window.parts)} windows ({window.order}, {window.held} + "
-                          f"{window.added} frames: {', '.join(w.cat.name for _, w in window.parts)})"
-                          f" stacked along other dims became in-place writes on their carry "
-                          f"slices; the window [{lo}, {hi}) is C[:{frames}]")
-            else:
-                lo, hi = window.taken
-                detail = (f"{window.cat.name} ({window.order}, {window.held} + {window.added} "
-                          f"frames) became in-place writes; its window [{lo}, {hi}) is C[:{frames}]")
+            plan.window = dataclasses.replace(stacked, start=done, stop=done + frames)
+    elif isinstance(window, str):   # (with the reason it is no join of windows, if a join)
+        plan.why = window if stacked is None else f"{window}; {stacked}"
+    else:
+        done = rewrite_window(gm, b, window, keep_stock=ctx.verify)
+        if isinstance(done, str):
+            ctx.note("near_miss", b.region.name, done)
+            plan.why = done
         else:
-            kind = _try_retention(gm, b, state, dst) or _materialize(gm, b, state, dst)
-            detail = f"new state ({frames} frames) written into C[:{frames}]"
-            if kind == "materialize":
-                detail += f": copied once, because {why or 'it is not a window of the old state'}"
-        if ctx.verify:
-            gm._cadence_auditor = ctx.auditor
-            with warnings.catch_warnings():  # FX warns on get_attr of a non-tensor attribute
-                warnings.simplefilter("ignore", UserWarning)
-                auditor = gm.graph.get_attr("_cadence_auditor")
-            audit = gm.graph.call_function(check_carry_write, (auditor, r.name, kind, stock, dst))
-            audit.meta["cadence_eager_reason"] = "shadow audit compares on the host"
-    set_out_value(out, b.out_index, dst)
-    ctx.note(kind, r.name, detail)
-    return True
+            plan.window = window
+            plan.stock = done[1] if ctx.verify else state
+    return plan
+
+
+def _write_window(gm, b: RegionBinding, window, frames: int):
+    move(gm, b, window.start, 0, frames)   # nothing when the window starts at 0
+    kind = "retention" if frames < window.held + window.added else "append"
+    if isinstance(window, Stacked):
+        lo, hi = window.parts[0][1].taken
+        return kind, (f"{len(window.parts)} windows ({window.order}, {window.held} + "
+                      f"{window.added} frames: {', '.join(w.cat.name for _, w in window.parts)})"
+                      f" stacked along other dims became in-place writes on their carry "
+                      f"slices; the window [{lo}, {hi}) is C[:{frames}]")
+    lo, hi = window.taken
+    return kind, (f"{window.cat.name} ({window.order}, {window.held} + {window.added} "
+                  f"frames) became in-place writes; its window [{lo}, {hi}) is C[:{frames}]")
+
+
+def _audit(gm, ctx: PassContext, region: str, kind: str, stock: Node, dst: Node) -> None:
+    gm._cadence_auditor = ctx.auditor
+    with warnings.catch_warnings():  # FX warns on get_attr of a non-tensor attribute
+        warnings.simplefilter("ignore", UserWarning)
+        auditor = gm.graph.get_attr("_cadence_auditor")
+    audit = gm.graph.call_function(check_carry_write, (auditor, region, kind, stock, dst))
+    audit.meta["cadence_eager_reason"] = "shadow audit compares on the host"
 
 
 def _detach_other_results(gm, b: RegionBinding, out: Node) -> None:
@@ -194,19 +243,11 @@ def _late_carry_write(state: Node, b: RegionBinding) -> Optional[Node]:
 
 
 def _try_retention(gm, b: RegionBinding, state: Node, dst: Node) -> Optional[str]:
-    x = _retention_source(state)
-    d = b.region.dim
-    if x is None or val(x) is None:
+    found = cut_of(state, b.region.dim)
+    if found is None:
         return None
-    L = val(x).shape[d]
-    bounds = [slice_bounds(p, L) for p in state.args[0]]
-    if None in bounds:
-        return None
-    (d0, s0, e0), (d1, s1, e1) = bounds
-    cat_dim = state.args[1] if len(state.args) > 1 else 0
-    if not (d0 == d1 == (cat_dim % val(x).dim()) == d and s0 == 0 and e1 == L and e0 <= s1):
-        return None
-    P, R = e0, e1 - s1
+    x, P, s1, L = found
+    R, d = L - s1, b.region.dim
     aliased = carry_offset(x, b, L)
     if aliased is False:
         return None

@@ -25,6 +25,7 @@ carry_pass = importlib.import_module("cadence_fx.passes.carry_retention")  # the
 
 COPY, CLONE, CAT = (torch.ops.aten.copy_.default, torch.ops.aten.clone.default,
                     torch.ops.aten.cat.default)
+SLICE = torch.ops.aten.slice.Tensor
 
 
 def _adapter(w, c):
@@ -609,9 +610,10 @@ def test_a_carry_write_after_the_new_state_is_a_near_miss_of_its_region():
 
 
 class KeepsPromptAndHistory(nn.Module):
-    """Prompt + history, ``cat([X[:2], X[-4:]])`` of ``X = cat([cache, x])`` (``retain``); its
-    look-alikes: ``wrong-part`` keeps frames [2, 6) (not the last 4), ``two-sources`` takes the
-    history from ``X * 0.5``, ``halved`` joins ``X[:2]`` with all of ``X * 0.5`` (no slice)."""
+    """Prompt + history, ``cat([X[:2], X[-4:]])`` of ``X = cat([cache, x])`` (``retain``), or of
+    ``X = tanh(cat([cache, x]))``, a fresh tensor that is no join of the old state (``fresh``);
+    the look-alikes: ``wrong-part`` keeps frames [2, 6) (not the last 4), ``two-sources`` takes
+    the history from ``X * 0.5``, ``halved`` joins ``X[:2]`` with all of ``X * 0.5`` (no slice)."""
 
     def __init__(self, form="retain"):
         super().__init__()
@@ -619,6 +621,8 @@ class KeepsPromptAndHistory(nn.Module):
 
     def forward(self, x, cache):
         xc = torch.cat([cache, x], 2)
+        if self.form == "fresh":
+            xc = xc.tanh()
         if self.form == "wrong-part":
             return x * 2, torch.cat([xc[:, :, :2], xc[:, :, 2:6]], 2)
         if self.form == "two-sources":
@@ -642,11 +646,12 @@ def _run(gm, ctx, named):
 
 @pytest.mark.parametrize("cache", [4, 6], ids=["adjacent-parts", "frames-dropped"])
 def test_retention_writes_both_parts_through_the_carrys_leading_views(cache):
-    """``C[:2] = X[:2]; C[2:6] = X[L-4:L]``, each destination a slice of ``C[:6]`` from 0 (as the
-    report's graph shows them); the region input reads ``C[:, :, 0:cache]``. With 4 frames held
-    the two parts are adjacent (``X[:2]``, ``X[2:6]``): still retention."""
+    """``C[:2] = X[:2]; C[2:6] = X[L-4:L]`` for an ``X`` that is no join of the old state, each
+    destination a slice of ``C[:6]`` from 0 (as the report's graph shows them); the region input
+    reads ``C[:, :, 0:cache]``. With 4 frames held the two parts are adjacent (``X[:2]``,
+    ``X[2:6]``): still retention."""
     named = _named(cache)
-    gm, ctx = _bound(KeepsPromptAndHistory(), RETAIN, **named)
+    gm, ctx = _bound(KeepsPromptAndHistory("fresh"), RETAIN, **named)
     gm = _carry_retention(gm, ctx)
     assert ctx.records["rewrites"] == [
         {"kind": "retention", "region": "k", "detail": "new state (6 frames) written into C[:6]"}]
@@ -657,9 +662,29 @@ def test_retention_writes_both_parts_through_the_carrys_leading_views(cache):
     copies = [n for n in gm.graph.nodes if n.target is COPY]
     assert [c.args[0].args for c in copies] == [(dst, 2, 0, 2), (dst, 2, 2, 6)]
     with torch.no_grad():
-        stock = KeepsPromptAndHistory()(named["x"], named["cache"].clone())
+        stock = KeepsPromptAndHistory("fresh")(named["x"], named["cache"].clone())
     got = _run(gm, ctx, named)
     assert all(torch.equal(a, b) for a, b in zip(got, stock))
+
+
+@pytest.mark.parametrize("cache,moved", [(4, []), (6, [((2, 4), (4, 6))])],
+                         ids=["adjacent-parts", "frames-dropped"])
+def test_a_join_cut_to_prompt_and_history_is_written_in_place(cache, moved):
+    """``X = cat([C[:l], x])`` read only by its cut: the kept old frames move down to
+    ``C[2:6-2]`` (nothing moves when they are there already) and ``x`` goes to ``C[4:6]``; the
+    prompt ``C[:2]`` is never written and no concatenation is left."""
+    named = _named(cache)
+    gm, ctx = _bound(KeepsPromptAndHistory(), RETAIN, **named)
+    gm = _carry_retention(gm, ctx)
+    (write,) = ctx.records["rewrites"]
+    assert write["kind"] == "retention" and "C[0:2] stays where it is" in write["detail"]
+    assert not ctx.records["near_misses"] and not [n for n in gm.graph.nodes if n.target is CAT]
+    copies = [(c.args[0].args[2:], c.args[1].args[2:] if c.args[1].target is SLICE else "x")
+              for c in gm.graph.nodes if c.target is COPY]
+    assert copies == moved + [((4, 6), "x")]
+    with torch.no_grad():
+        stock = KeepsPromptAndHistory()(named["x"], named["cache"].clone())
+    assert all(torch.equal(a, b) for a, b in zip(_run(gm, ctx, named), stock))
 
 
 @pytest.mark.parametrize("form,cache,why", [
@@ -718,8 +743,8 @@ def test_retention_along_dim_0_with_the_default_cat_dim():
     gm, ctx = _bound(KeepsPromptAndHistoryOnDim0(), adapter, **named)
     assert [len(n.args) for n in gm.graph.nodes if n.target is CAT] == [1, 1]
     gm = _carry_retention(gm, ctx)
-    assert ctx.records["rewrites"] == [
-        {"kind": "retention", "region": "k", "detail": "new state (6 frames) written into C[:6]"}]
+    assert [(r["kind"], r["region"]) for r in ctx.records["rewrites"]] == [("retention", "k")]
+    assert not [n for n in gm.graph.nodes if n.target is CAT]
     with torch.no_grad():
         stock = KeepsPromptAndHistoryOnDim0()(named["x"], named["cache"].clone())
     assert all(torch.equal(a, b) for a, b in zip(_run(gm, ctx, named), stock))
