@@ -294,7 +294,8 @@ def entries(root=None) -> List[Dict]:
     if kernels.is_dir():   # fused regions' code and verdicts, shared by the steps above
         files = list(kernels.glob("*.kernel"))
         rows.append({"model": "(fused-region kernels)", "step": "-", "adapter": "-",
-                     "classes": len(files), "bytes": sum(f.stat().st_size for f in files),
+                     "classes": len(files),
+                     "bytes": sum(f.stat().st_size for f in kernels.rglob("*") if f.is_file()),
                      "created": "-", "torch": torch.__version__, "path": str(kernels)})
     return rows
 

@@ -50,6 +50,8 @@ from typing import Callable, Optional
 
 import torch
 
+from . import code_objects
+
 __all__ = ["KernelStore", "StoredKernel", "compile_artifact", "compiler_digest", "environment",
            "kernel_key", "load_artifact", "recheck"]
 
@@ -235,6 +237,7 @@ class KernelStore:
 
     def __init__(self, root):
         self.dir = Path(root) / "kernels"
+        code_objects.install(self.dir / "code")   # Inductor's modules as code objects
         self.loads = self.stores = 0
         self.load_seconds = 0.0
         self._memory: dict = {}           # key -> StoredKernel: one callable per key per process

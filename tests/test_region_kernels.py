@@ -293,3 +293,54 @@ def test_a_region_traced_at_another_layout_than_it_runs_at_still_loads(tmp_path,
     warm = _region(KernelStore(tmp_path), traced)
     assert torch.equal(warm(x, y)[0], x * y + x)
     assert (warm.state, warm.loaded, compiled) == ("fused", True, [1])   # nothing compiled again
+
+
+def test_generated_modules_load_as_kept_code_objects(fuse_on_cpu, stock, tmp_path):
+    """Inductor's generated modules are compiled once: a fresh process with empty Inductor caches
+    takes every one it loads from ``kernels/code`` and compiles none, and runs exact."""
+    cold = cadence_fx.compile(make_decoder(), DECODER_ADAPTER, cache_dir=tmp_path / "cache")
+    assert _same(stock, script(cold))
+    assert sorted((tmp_path / "cache" / "kernels" / "code").glob("*.pyc"))
+    code = textwrap.dedent(f"""
+        import json, sys; sys.path.insert(0, {str(HERE)!r})
+        import torch
+        import cadence_fx
+        from cadence_fx import code_objects, fusion
+        from streaming_decoder import DECODER_ADAPTER, make_decoder
+        from test_decoder_lifecycle import _same, script
+        fusion.DEVICES = ("cuda", "cpu")
+        torch.set_num_threads(1)
+        stock = script(make_decoder())
+        warm = cadence_fx.compile(make_decoder(), DECODER_ADAPTER, cache_dir={str(tmp_path / "cache")!r})
+        out = script(warm)
+        print(json.dumps(dict(code_objects.stats, same=_same(stock, out),
+                              kernels=warm.kernel_store.loads)))
+    """)
+    inductor, triton = tmp_path / "inductor", tmp_path / "triton"
+    inductor.mkdir(), triton.mkdir()
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor), TRITON_CACHE_DIR=str(triton))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["same"] and got["kernels"] > 0
+    assert got["kept"] >= got["kernels"] and got["compiled"] == 0, got
+
+
+def test_a_damaged_code_object_is_reported_and_compiled_again(tmp_path, monkeypatch):
+    from cadence_fx import code_objects
+    monkeypatch.setattr(code_objects, "_DIR", tmp_path)
+    path = str(tmp_path / "module.py")
+    source = "def f():\n    return 1234567\n"
+    first = code_objects._code(source, path)
+    (entry,) = tmp_path.glob("*.pyc")
+    data = bytearray(entry.read_bytes())
+    at = data.index((1234567).to_bytes(4, "little"))
+    data[at] ^= 1                                   # another constant, same length
+    entry.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match="truncated or corrupt"):
+        again = code_objects._code(source, path)
+    namespace: dict = {}
+    exec(again, namespace)
+    assert namespace["f"]() == 1234567 and again.co_filename == path == first.co_filename
+    kept = code_objects._code(source, str(tmp_path / "elsewhere.py"))   # rewritten, and refiled
+    assert kept.co_filename.endswith("elsewhere.py") and kept.co_consts[0].co_filename == kept.co_filename
