@@ -1,0 +1,317 @@
+"""Token2Wav conversations per GPU with lanes, compiled priming and the deadline scheduler.
+
+    python bench/sessions_lanes.py [--out bench/results/<date>-h200-sessions-lanes.json]
+        [--depth 16] [--lanes 1,2] [--ns 8,16,24,32] [--seconds 6] [--budget-s 420]
+    python bench/sessions_lanes.py --device cpu --depth 1 --ns 2 --lanes 1,2 --seconds 2   # harness
+
+Per lane count L and session count N: N conversations arrive (Poisson, mean gap ``--gap-ms``),
+each primed through the compiled flow (its priming class, prepared by ``capture_catalog`` on
+every lane), then sending a 1 s chunk (28 tokens, 50 mel frames) every second for a random
+length (``--seconds`` on average); as one retires a new speaker arrives (churn). The
+``cadence_fx.scheduler`` serves them over ``SessionPool(..., lanes=L)`` for flow and HiFT; a chunk's
+deadline is its arrival + ``--budget-ms``. A row is real-time when no chunk misses its deadline.
+Every session's mel and PCM are compared (``torch.equal``) with the same speaker run alone through
+stock. The stock baseline (one stream, sessions in turn) runs in the same process first. Also:
+the priming pass p50 (stock ``setup_cache`` and the compiled priming class, CUDA events after
+warm-up), the fraction of wall time the GPU spends in kernels (profiler) for stock and for the
+best row, and peak memory (``torch.cuda.max_memory_allocated``) with memory per lane and session.
+Moshi batches per lane are not measured here (``moshi_conversations_per_gpu`` is null, with why).
+Rows stop once ``--budget-s`` is spent (recorded under ``skipped``).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+import cadence_fx
+from cadence_fx.models.token2wav import (FlowStep, HiFTStep, build_flow, build_hift,
+                                         empty_hift_cache, prompt_call)
+from cadence_fx.scheduler import Scheduler
+
+DEVICE = "cuda"
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _tokens(speaker, n):
+    g = torch.Generator().manual_seed(50_000 + speaker)
+    return [torch.randint(0, 6561, (1, 28), generator=g).to(DEVICE) for _ in range(n)]
+
+
+def _alone(flow, hift, speaker, n):
+    """The speaker alone through stock: mel and PCM per chunk (host)."""
+    tokens, mel_p, spk = prompt_call(flow, seed=speaker, device=DEVICE)
+    gen = torch.cuda.default_generators[0] if DEVICE == "cuda" else torch.default_generator
+    outside = gen.get_state()
+    gen.manual_seed(1000 + speaker)
+    out = []
+    with torch.inference_mode(), torch.autocast(DEVICE, dtype=torch.float32, enabled=DEVICE == "cuda"):
+        state = {k: v.clone() for k, v in flow(tokens, spk, None, prompt_mel=mel_p)[1].items()}
+        cache = empty_hift_cache(DEVICE)
+        for tok in _tokens(speaker, n):
+            mel, state = flow(tok, spk, state)
+            state = {k: v.clone() for k, v in state.items()}
+            pcm, cache = hift(mel, cache)
+            cache = {k: v.clone() for k, v in cache.items()}
+            out.append((mel.cpu(), pcm.cpu()))
+    gen.set_state(outside)
+    return out
+
+
+class Served:
+    """Flow + HiFT pools with L lanes; a session's chunk runs both on its flow lane's stream."""
+
+    def __init__(self, cflow, chift, lanes, flow_step):
+        self.fpool = cadence_fx.SessionPool(cflow, lanes=lanes)
+        self.hpool = cadence_fx.SessionPool(chift, lanes=lanes)
+        self.flow_step, self.ids, self.use = flow_step, {}, lanes
+
+    def prepare(self):
+        tokens, mel_p, spk = prompt_call(self.flow_step, device=DEVICE)
+        with torch.inference_mode(), torch.autocast(DEVICE, dtype=torch.float32,
+                                                    enabled=DEVICE == "cuda"):
+            state = self.flow_step(tokens, spk, None, prompt_mel=mel_p)[1]
+            state = {k: v.clone() for k, v in state.items()}
+            self.fpool.capture_catalog(torch.zeros(1, 28, dtype=torch.long, device=DEVICE), spk,
+                                       state, priming_example=lambda n: ((tokens, spk, None),
+                                                                         {"prompt_mel": mel_p}))
+
+    def open(self, speaker):
+        lane = min(self.fpool.lanes[:self.use], key=lambda x: (x.sessions, x.index)).index
+        fid = self.fpool.open(None, seed=1000 + speaker, lane=lane)
+        hid = self.hpool.open(empty_hift_cache(DEVICE), seed=1000 + speaker,
+                              lane=self.fpool.lane_of(fid))
+        self.ids[fid] = (hid, speaker, prompt_call(self.flow_step, seed=speaker, device=DEVICE))
+        return fid
+
+    def run(self, fid, op, tok=None):
+        hid, _, (tokens, mel_p, spk) = self.ids[fid]
+        with torch.autocast(DEVICE, dtype=torch.float32, enabled=DEVICE == "cuda"):
+            if op == "prime":
+                return self.fpool.step(fid, tokens, spk, prompt_mel=mel_p)
+            mel, _ = self.fpool.step(fid, tok, spk)
+        lane = self.fpool.lanes[self.fpool.lane_of(fid)]
+        with (torch.cuda.stream(lane.stream) if lane.stream is not None else _null()):
+            pcm = self.hpool.step(hid, mel)[0]
+        return mel, pcm
+
+    def close(self, fid):
+        hid = self.ids.pop(fid)[0]
+        self.fpool.close(fid)
+        self.hpool.close(hid)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed):
+    sched = Scheduler(served.fpool, period_ms=budget_ms, run=served.run,
+                      done=lambda fid: served.hpool.done(served.ids[fid][0]))
+    g, results, next_speaker = random.Random(seed), [], [0]
+
+    async def conversation():
+        speaker = next_speaker[0]
+        next_speaker[0] += 1
+        length = max(1, int(g.expovariate(1.0 / seconds)))
+        fid = served.open(speaker)
+        start = time.perf_counter()
+        await sched.submit(fid, "prime")
+        outs = []
+        for i, tok in enumerate(_tokens(speaker, length)):
+            await asyncio.sleep(max(0.0, start + i * period_s - time.perf_counter()))
+            mel, pcm = await sched.submit(fid, "chunk", tok)
+            outs.append((mel.cpu(), pcm.cpu()))
+        served.close(fid)
+        results.append((speaker, outs))
+
+    async def slot():
+        await asyncio.sleep(g.expovariate(1000.0 / gap_ms))
+        end = time.perf_counter() + seconds * 2
+        while time.perf_counter() < end:
+            await conversation()
+
+    await asyncio.gather(*(slot() for _ in range(n)))
+    await sched.stop()
+    return sched.report(), sched.records, results
+
+
+def _row(flow, hift, served, lanes, n, args):
+    torch.cuda.reset_peak_memory_stats() if DEVICE == "cuda" else None
+    t0 = time.perf_counter()
+    report, records, results = asyncio.run(_churn(served, n, args.seconds, args.gap_ms,
+                                                  args.budget_ms, args.period_ms / 1e3, n))
+    exact = [all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in
+                 zip(outs, _alone(flow, hift, speaker, len(outs)))) for speaker, outs in results]
+    mem = served.fpool.memory()
+    return {"lanes": lanes, "sessions": n, **report, "sessions_served": len(results),
+            "realtime": report["deadline_misses"] == 0, "all_bit_exact": all(exact),
+            "sessions_bit_exact": sum(exact), "wall_s": time.perf_counter() - t0,
+            "max_memory_allocated": torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0,
+            "flow_lane_bytes": mem["lane_bytes"], "flow_session_bytes_mean": mem["session_bytes_mean"],
+            "fallbacks": sum(l.compiled.counters.fallbacks for l in served.fpool.lanes),
+            "fallback_reasons": [dict(l.compiled.counters.reasons) for l in served.fpool.lanes]}
+
+
+def _priming_ms(fn, repeat):
+    """p50 of ``fn`` (CUDA events after two warm-up calls; wall time on the CPU)."""
+    times = []
+    for i in range(repeat + 2):
+        if DEVICE == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            ms = a.elapsed_time(b)
+        else:
+            t = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t) * 1e3
+        if i >= 2:
+            times.append(ms)
+    return statistics.median(times)
+
+
+def _kernel_fraction(fn):
+    """Fraction of wall time the GPU spends in kernels while ``fn`` runs (profiler)."""
+    if DEVICE != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    _sync()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync()
+    wall_us = (time.perf_counter() - t) * 1e6
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return kernel_us / wall_us
+
+
+def _stock_rows(flow, hift, ns, rounds, budget_ms):
+    """Stock: N sessions in turn on one stream (bench/sessions.py's serve_stock)."""
+    if DEVICE != "cuda":   # serve_stock times with CUDA events: a CPU run checks the rest
+        return [], None
+    import sessions
+    sessions.DEVICE = DEVICE
+    spk, prompt = sessions.prime_flow(flow, device=DEVICE)
+    rows = []
+    for n in ns:
+        chunk_ms, round_ms, _, _ = sessions.serve_stock(flow, hift, spk, prompt,
+                                                        sessions.chunk_inputs(n, rounds), rounds)
+        rows.append({"sessions": n, "chunk_p50_ms": statistics.median(chunk_ms),
+                     "round_max_ms": max(round_ms), "realtime": max(round_ms) <= budget_ms})
+    frac = _kernel_fraction(lambda: sessions.serve_stock(flow, hift, spk, prompt,
+                                                         sessions.chunk_inputs(1, 2), 2))
+    return rows, frac
+
+
+def _args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    day = datetime.date.today().isoformat()
+    ap.add_argument("--out", default=f"bench/results/{day}-h200-sessions-lanes.json")
+    ap.add_argument("--depth", type=int, default=16)
+    ap.add_argument("--blocks", default="6,4", help="conformer blocks before,after upsampling")
+    ap.add_argument("--lanes", default="1,2", help="lane counts (each lane compiles its classes: budget it)")
+    ap.add_argument("--ns", default="8,16,24,32")
+    ap.add_argument("--stock-ns", default="1,2")
+    ap.add_argument("--seconds", type=float, default=6.0, help="mean conversation length (s)")
+    ap.add_argument("--gap-ms", type=float, default=200.0, help="mean gap between arrivals")
+    ap.add_argument("--period-ms", type=float, default=1000.0, help="audio per chunk")
+    ap.add_argument("--budget-ms", type=float, default=900.0, help="a chunk's deadline")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop adding rows after this")
+    ap.add_argument("--device", default="cuda")
+    return ap.parse_args()
+
+
+def main():
+    global DEVICE
+    args = _args()
+    DEVICE = args.device
+    start = time.perf_counter()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    cadence_fx.pin_deterministic_kernels()
+    blocks = tuple(int(b) for b in args.blocks.split(","))
+    flow = FlowStep(build_flow(args.depth, blocks=blocks, device=DEVICE))
+    hift = HiFTStep(build_hift(device=DEVICE))
+    lanes = [int(x) for x in args.lanes.split(",")]
+    result = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+              "torch": torch.__version__, "commit": os.environ.get("CADENCE_COMMIT", "unknown"),
+              "depth": args.depth, "blocks": blocks, "deterministic_kernels": True,
+              "release_envelopes": False, "args": vars(args), "rows": [], "skipped": []}
+
+    def save():
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+    tokens, mel_p, spk = prompt_call(flow, device=DEVICE)
+    with torch.inference_mode(), torch.autocast(DEVICE, dtype=torch.float32, enabled=DEVICE == "cuda"):
+        result["stock_priming_p50_ms"] = _priming_ms(
+            lambda: flow(tokens, spk, None, prompt_mel=mel_p), 5)
+    stock_ns = [int(x) for x in args.stock_ns.split(",")]
+    result["stock"], result["stock_kernel_fraction"] = _stock_rows(flow, hift, stock_ns, 4,
+                                                                   args.budget_ms)
+    ok = [r["sessions"] for r in result["stock"] if r["realtime"]]
+    result["stock_realtime_sessions"] = max(ok) if ok else 0
+    save()
+    from cadence_fx import adapters
+    cflow = cadence_fx.compile(flow, adapters.get("minicpmo-token2wav-flow").with_clocks(
+        conformer_layers=sum(blocks)))
+    chift = cadence_fx.compile(hift, "minicpmo-token2wav-hift")
+    t = time.perf_counter()
+    served = Served(cflow, chift, max(lanes), flow)
+    served.prepare()
+    result["prepare_s"] = time.perf_counter() - t
+    lane0 = served.fpool.lanes[0]
+    with torch.inference_mode(), torch.autocast(DEVICE, dtype=torch.float32, enabled=DEVICE == "cuda"):
+        before = cflow.counters.compiled_calls
+        result["priming_p50_ms"] = _priming_ms(lambda: cflow(tokens, spk, None, prompt_mel=mel_p), 5)
+        result["priming_compiled"] = cflow.counters.compiled_calls - before == 7
+    lane0.calls_seen = cflow.counters.calls   # the priming timing ran outside the pool
+    lane0.resident = None
+    save()
+    for L in lanes:
+        for n in [int(x) for x in args.ns.split(",")]:
+            if time.perf_counter() - start > args.budget_s:
+                result["skipped"].append({"lanes": L, "sessions": n})
+                continue
+            served.use = L
+            row = _row(flow, hift, served, L, n, args)
+            result["rows"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "fallback_reasons"}), flush=True)
+            save()
+    good = [r for r in result["rows"] if r["realtime"] and r["all_bit_exact"]]
+    best = max(good, key=lambda r: (r["sessions"], -r["lanes"]), default=None)
+    result["cadence_realtime_sessions_churn"] = best["sessions"] if best else 0
+    result["best"] = best and {"lanes": best["lanes"], "sessions": best["sessions"]}
+    if best is not None and time.perf_counter() - start < args.budget_s + 60:
+        served.use = best["lanes"]
+        result["cadence_kernel_fraction"] = _kernel_fraction(lambda: asyncio.run(_churn(
+            served, best["sessions"], 1.0, args.gap_ms, args.budget_ms, args.period_ms / 1e3, 99)))
+    result["moshi_conversations_per_gpu"] = None
+    result["moshi"] = {"not_run": "batched Moshi steps per lane are not wired into this script yet"}
+    result["all_bit_exact"] = all(r["all_bit_exact"] for r in result["rows"])
+    result["wall_s"] = time.perf_counter() - start
+    save()
+    print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "stock")}, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
