@@ -222,6 +222,29 @@ def _stock_rows(flow, hift, ns, rounds, budget_ms):
     return rows, frac
 
 
+def _lane_rows(result, served, flow, hift, lanes, args, start, save):
+    """A row per lane count and session count within ``--budget-s``; the best row's kernel
+    fraction."""
+    for L in lanes:
+        for n in [int(x) for x in args.ns.split(",")]:
+            if time.perf_counter() - start > args.budget_s:
+                result["skipped"].append({"lanes": L, "sessions": n})
+                continue
+            served.use = L
+            row = _row(flow, hift, served, L, n, args)
+            result["rows"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "fallback_reasons"}), flush=True)
+            save()
+    good = [r for r in result["rows"] if r["realtime"] and r["all_bit_exact"]]
+    best = max(good, key=lambda r: (r["sessions"], -r["lanes"]), default=None)
+    result["cadence_realtime_sessions_churn"] = best["sessions"] if best else 0
+    result["best"] = best and {"lanes": best["lanes"], "sessions": best["sessions"]}
+    if best is not None and time.perf_counter() - start < args.budget_s + 60:
+        served.use = best["lanes"]
+        result["cadence_kernel_fraction"] = _kernel_fraction(lambda: asyncio.run(_churn(
+            served, best["sessions"], 1.0, args.gap_ms, args.budget_ms, args.period_ms / 1e3, 99)))
+
+
 def _args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     day = datetime.date.today().isoformat()
@@ -287,24 +310,7 @@ def main():
     lane0.calls_seen = cflow.counters.calls   # the priming timing ran outside the pool
     lane0.resident = None
     save()
-    for L in lanes:
-        for n in [int(x) for x in args.ns.split(",")]:
-            if time.perf_counter() - start > args.budget_s:
-                result["skipped"].append({"lanes": L, "sessions": n})
-                continue
-            served.use = L
-            row = _row(flow, hift, served, L, n, args)
-            result["rows"].append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "fallback_reasons"}), flush=True)
-            save()
-    good = [r for r in result["rows"] if r["realtime"] and r["all_bit_exact"]]
-    best = max(good, key=lambda r: (r["sessions"], -r["lanes"]), default=None)
-    result["cadence_realtime_sessions_churn"] = best["sessions"] if best else 0
-    result["best"] = best and {"lanes": best["lanes"], "sessions": best["sessions"]}
-    if best is not None and time.perf_counter() - start < args.budget_s + 60:
-        served.use = best["lanes"]
-        result["cadence_kernel_fraction"] = _kernel_fraction(lambda: asyncio.run(_churn(
-            served, best["sessions"], 1.0, args.gap_ms, args.budget_ms, args.period_ms / 1e3, 99)))
+    _lane_rows(result, served, flow, hift, lanes, args, start, save)
     result["moshi_conversations_per_gpu"] = None
     result["moshi"] = {"not_run": "batched Moshi steps per lane are not wired into this script yet"}
     result["all_bit_exact"] = all(r["all_bit_exact"] for r in result["rows"])
