@@ -1,5 +1,6 @@
 """The shadow auditor (paper §3.6): in verify mode every carry write is compared with the stock
-value it replaces, elementwise, and a mismatch raises with the region and the call index."""
+value it replaces, elementwise and by layout (stride order: the next call's reads of a state in
+another layout may give other bits), and a mismatch raises with the region and the call index."""
 from __future__ import annotations
 
 import collections
@@ -9,6 +10,7 @@ import torch
 
 from .errors import ShadowMismatch
 from .fx_utils import SIDE_EFFECTS
+from .layouts import describe, stride_order
 
 __all__ = ["Auditor", "check_carry_write"]
 
@@ -23,6 +25,12 @@ class Auditor:
     def check(self, region: str, kind: str, stock: torch.Tensor, carry: torch.Tensor) -> None:
         self.comparisons[region] += 1
         if stock.shape == carry.shape and torch.equal(stock, carry):
+            if stride_order(stock) != stride_order(carry):
+                raise ShadowMismatch(
+                    f"verify: the {kind} write of region {region!r} has the stock bits but not "
+                    f"its layout at call {self.call_index}: stock returns {describe(stock)}, the "
+                    f"carry hands out {describe(carry)}; return {region!r} in one layout from "
+                    "every call (e.g. `.contiguous()` on it)")
             return
         detail = (f"shapes {tuple(stock.shape)} vs {tuple(carry.shape)}" if stock.shape != carry.shape
                   else f"max |diff| {(stock.double() - carry.double()).abs().max().item():.3g}")

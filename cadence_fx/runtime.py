@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.utils._pytree as pytree
 
+from . import layouts
 from . import prepare as _prepare
 from . import priming as _priming
 from .admission import Admission, check_envelopes, check_paths
@@ -110,36 +111,83 @@ class CompiledStep:
             self.counters.calls += 1
             self.auditor.call_index = self.counters.calls
             entry, by_path, reason = self._select(args, kwargs)
-            if entry is None:
+            if reason is not None:   # (an entry with a reason: this call's state, not the class)
                 return self._eager(reason, args, kwargs, priming=_priming.is_priming(self, by_path))
             return self._run(entry, by_path)
 
     def _select(self, args, kwargs):
-        """Admission, absorption into the carries, and the class entry (traced on first sight)."""
+        """Admission, absorption into the carries, and the class entry (traced on first sight).
+        Returns ``(entry, by_path, reason)``: with a reason, the call runs stock; the entry is
+        still given when only this call's state keeps it from running (its layout)."""
         leaves, spec = leaves_with_paths(bind_arguments(self._arguments, args, kwargs))
         by_path = dict(leaves)
         self.admission.check_placement(by_path)
         reason = self.admission.reason(by_path, self.carries)
         if reason is not None:
             return None, by_path, reason
-        if self.options.state_rule:
-            for r in self.adapter.regions:
-                if isinstance(by_path.get(r.input), torch.Tensor) and r.fixed_address:
-                    by_path[r.input] = self.admission.absorb(r, by_path[r.input], self.carries,
-                                                             self.counters, adopt=self.donate_state)
+        arrived, saved = self._absorb(by_path)
+        entry, reason = self._entry(by_path, leaves, spec, arrived)
+        if reason is not None:   # stock reads what the caller passed, the carry's old values
+            with torch.no_grad():
+                for t, values in saved:
+                    t.copy_(values)
+        return entry, by_path, reason
+
+    def _entry(self, by_path, leaves, spec, arrived):
+        """The class entry (traced on first sight) and why this call cannot run it, if so."""
         key = self._signature(by_path, spec)
         if key in self._rejected:
-            return None, by_path, self._rejected[key]
+            return None, self._rejected[key]
         entry = self.classes.get(key)
         if entry is None:
             named = pytree.tree_unflatten([by_path[p] for p, _ in leaves], spec)
             reason = self.background.reason(key, named)   # a priming class not compiled yet
             if reason is not None:
-                return None, by_path, reason
+                return None, reason
+            known = layouts.known_reads(e.records for e in self.classes.values())
+            reason = self._arrival_reason(known, arrived)   # not compiled only to run stock
+            if reason is not None:
+                return None, reason
             entry = compile_class(self, key, named)
             if entry is None:
-                return None, by_path, self._rejected[key]
-        return entry, by_path, None
+                return None, self._rejected[key]
+        reads = entry.records.get("layout_reads")
+        if reads is None:   # not compiled by the carry pass: any read may depend on the layout
+            reads = {name: "ops not analysed" for name in arrived}
+        return entry, self._arrival_reason(reads, arrived)
+
+    def _absorb(self, by_path):
+        """Region inputs made views of their carries (``Admission.absorb``). Returns the states
+        that arrived as other tensors, by region (for the layout check), and ``(state, values)``
+        for each that lives in its carry's storage (a transposed view of it), which absorbing
+        overwrites: a call that then runs stock puts the values back first."""
+        arrived, saved = {}, []
+        if not self.options.state_rule:
+            return arrived, saved
+        for r in self.adapter.regions:
+            t = by_path.get(r.input)
+            if isinstance(t, torch.Tensor) and r.fixed_address:
+                carry = self.carries.get(r.name)
+                if carry is None or not carry.holds(t):
+                    arrived[r.name] = t
+                if carry is not None and not carry.holds(t) and (
+                        t.untyped_storage().data_ptr() == carry.tensor.untyped_storage().data_ptr()):
+                    saved.append((t, t.clone()))
+                by_path[r.input] = self.admission.absorb(r, t, self.carries, self.counters,
+                                                         adopt=self.donate_state)
+        return arrived, saved
+
+    def _arrival_reason(self, reads: Dict[str, str], arrived) -> Optional[str]:
+        """A state that arrived in another layout than its carry, read by an op whose bits
+        depend on the layout (``reads``: region -> op), runs the stock step: the class reads the
+        carry's layout (``layouts.py``)."""
+        for name, t in arrived.items():
+            if name in self.carries:
+                view = self.carries[name].view(t.shape[self.carries[name].dim])
+                reason = layouts.arrival_reason(name, t, view, reads)
+                if reason is not None:
+                    return reason
+        return None
 
     def _signature(self, by_path, spec) -> Tuple:
         """Class key (extents, width), then every leaf's signature and the global modes."""
@@ -172,8 +220,11 @@ class CompiledStep:
         for i, v in zip(t.out_tensor_index, outs):
             leaves[i] = v
         for name, idx in entry.out_regions.items():
+            carry = self.carries.get(name)
+            if carry is None or not carry.holds(outs[idx]):
+                continue   # handed back as stock computed it (a layout or shape near miss)
             self.counters.addresses[name].add(outs[idx].data_ptr())
-            leaves[t.out_tensor_index[idx]] = self.carries[name].hand_out(outs[idx])
+            leaves[t.out_tensor_index[idx]] = carry.hand_out(outs[idx])
         self.counters.compiled_calls += 1
         self.counters.applications += entry.writes
         self.counters.retentions += entry.retentions

@@ -27,6 +27,10 @@ Cases handled, per declared region (``C`` is the region's carry, ``d`` its frame
       buf[step][..., :n] = new          ->   C[step][..., :n] = new        (envelope)
       full = cat([C[:l], x])[..., -W:]  ->   C[l:l+c] = x; ...; C[:W] = C[l+c-W:l+c]   (window)
 
+Near miss that must not fire: a new state whose stride order is not the carry's (a transposed
+result) is handed back as stock computes it, never as a carry view of another layout
+(``_carry_layout.py``); ops reading the old state in a layout-dependent way are recorded.
+
 Needs ``meta["val"]`` on the traced nodes. Invariant: the graph's outputs equal the stock graph's
 (``torch.equal``); the region outputs become views of ``C``, so their address never changes. With
 ``verify`` the stock value is kept and compared after each write (the shadow auditor, §3.6).
@@ -47,6 +51,7 @@ from cadence_fx.fx_utils import (CATS, aten, dead_code_elimination, is_mutating,
 from cadence_fx.tracing import InputSpec
 
 from ._carry_envelope import replace_envelope
+from ._carry_layout import layout_miss, layout_read
 from ._carry_graph import (carry_offset, copy_, fake_mode, out_values, output_node, set_out_value,
                            slice_)
 from ._carry_prompt import Join, cut_of, find_join, prepare_join, write_join
@@ -62,6 +67,7 @@ def carry_retention(gm: GraphModule, ctx: PassContext) -> PassResult:
     for b in ctx.regions:
         b.carry_node = ctx.add_placeholder(gm, f"carry_{b.region.name}", InputSpec("carry", b.region.name))
         b.carry_node.meta["val"] = fake_mode(gm).from_tensor(b.carry.tensor)
+        _record_layout(ctx, b)
         b.storages = {storage_key(b.carry_node), storage_key(b.placeholder)} - {None}
         if b.placeholder is not None:
             _read_input_from_carry(gm, b)
@@ -76,6 +82,15 @@ def carry_retention(gm: GraphModule, ctx: PassContext) -> PassResult:
 
 
 # -- helpers ----------------------------------------------------------------------------------
+
+def _record_layout(ctx: PassContext, b: RegionBinding) -> None:
+    """The op reading the old state in a way whose bits depend on its layout, if any
+    (``_carry_layout.py``): a state arriving in another layout than the carry's runs stock."""
+    reads = ctx.records.setdefault("layout_reads", {})
+    read = layout_read(b.placeholder)
+    if read is not None:
+        reads[b.region.name] = read
+
 
 def _read_input_from_carry(gm: GraphModule, b: RegionBinding) -> None:
     frames = val(b.placeholder).shape[b.region.dim]
@@ -112,7 +127,7 @@ class _Plan:
 def _write_state(gm: GraphModule, ctx: PassContext, b: RegionBinding, out: Node) -> bool:
     r, d = b.region, b.region.dim
     state = out_values(out)[b.out_index]
-    frames = _frames_to_write(ctx, b, state)
+    frames = _frames_to_write(gm, ctx, b, state)
     if frames is None:
         return False
     plan = _plan(gm, ctx, b, state, frames)
@@ -135,7 +150,8 @@ def _write_state(gm: GraphModule, ctx: PassContext, b: RegionBinding, out: Node)
     return True
 
 
-def _frames_to_write(ctx: PassContext, b: RegionBinding, state: Node) -> Optional[int]:
+def _frames_to_write(gm: GraphModule, ctx: PassContext, b: RegionBinding,
+                     state: Node) -> Optional[int]:
     """The new state's frames, or None (with a note) when the carry cannot or need not take it."""
     r, d = b.region, b.region.dim
     v = val(state)
@@ -158,6 +174,8 @@ def _frames_to_write(ctx: PassContext, b: RegionBinding, state: Node) -> Optiona
     late = _late_carry_write(state, b)
     if late is not None:
         ctx.note("near_miss", r.name, f"{late.name} writes the carry after the new state is formed")
+        return None
+    if layout_miss(gm, ctx, b, state, frames):
         return None
     return frames
 
