@@ -335,9 +335,9 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
     value the step reads. ``keep_before`` keeps a copy of each class's graph as traced, before the
     passes rewrite it, for the report's before/after view (``report()``); ``False`` skips the copy
     (a graph copy per class at compile time) and the report shows the graph after the passes only.
-    ``cache_dir`` (default: ``CADENCE_FX_CACHE_DIR`` when set) keeps each class's trace on disk,
+    ``cache_dir`` (default: ``CADENCE_FX_CACHE_DIR`` when set) keeps each compiled class on disk,
     so a restarted process loads it instead of tracing (``compile_cache.py``; ``cadence-fx cache
-    ls|clear``); the passes, the probationary call and the capture run again.
+    ls|clear``); only the capture runs again (a class stored as its trace runs the passes too).
     ``donate_state=True`` gives the state a stream starts with to the compiled step: a region
     tensor that arrives before its carry exists and already has the carry's layout (the declared
     extent, contiguous, owning its storage) becomes the carry instead of being copied into a new
