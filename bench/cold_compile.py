@@ -12,7 +12,7 @@ and a shared host's speed varies between runs), the median stock eager chunk ove
 measured first. Run it for several builds alternately to compare them on one host.
 
 ``--whole``: the whole Token2Wav catalog instead, as the suite's ``whole`` part compiles it (flow:
-encoder + CFM + retention, and HiFT; ``bench/token2wav_chunk.py``'s stream, deterministic kernels
+encoder + CFM + retention, and HiFT; ``bench/suite_whole.py``'s stream, deterministic kernels
 pinned): every class of both compiled steps, cold.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from cadence_fx import adapters  # noqa: E402
 
 
 def whole(args):
-    import token2wav_chunk as tc
+    import suite_whole as tc   # the whole chunk stream (build, run)
     cadence_fx.pin_deterministic_kernels()   # as the suite's whole part (stock HiFT needs them)
     flow, hift, spk, prompt, tokens, last, turn = tc.build(args.depth, args.chunks)
     tc.run(flow, hift, spk, prompt, tokens, last, turn)   # library set-up, not timed

@@ -54,7 +54,8 @@ if [[ $STEP == moshi ]]; then
   python3 bench/suite_moshi.py --out "$OUT/moshi-frame.json" ${BENCH_ARGS//+/ } 2>&1 | tail -80
 fi
 if [[ $STEP == chunk ]]; then
-  python3 bench/token2wav_chunk.py --out "$OUT/token2wav-chunk.json" ${BENCH_ARGS//+/ } 2>&1 | tail -60
+  # the whole Token2Wav chunk, E vs SRc (the suite's whole part alone)
+  python3 bench/suite_whole.py --out "$OUT/token2wav-chunk.json" ${BENCH_ARGS//+/ } 2>&1 | tail -60
 fi
 if [[ $STEP == all || $STEP == bench ]]; then
   python3 bench/replay.py --out "$OUT/bench-replay.json" ${BENCH_ARGS//+/ } 2>&1 | tail -80

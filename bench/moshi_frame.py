@@ -48,11 +48,7 @@ import torch
 
 import cadence_fx
 from cadence_fx.models import moshi as M
-
-
-def p95(xs):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
+from common import p95
 
 
 CUDA = torch.cuda.is_available()   # without CUDA (a smoke test of this script): host clocks

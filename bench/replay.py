@@ -22,15 +22,7 @@ import torch
 
 import cadence_fx
 from cadence_fx.replay import GuardedPiece
-
-
-def p50(xs):
-    return statistics.median(xs)
-
-
-def p95(xs):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
+from common import cuda_timed, median, p95
 
 
 def stream(step, chunks, prompt_state, resets, call, autocast=False):
@@ -39,13 +31,13 @@ def stream(step, chunks, prompt_state, resets, call, autocast=False):
     for i, args in enumerate(chunks):
         if i in resets:
             state = prompt_state
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float32, enabled=autocast):
-            out, state = call(step, args, state)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+
+        def chunk():
+            with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float32, enabled=autocast):
+                return call(step, args, state)
+
+        (out, state), ms = cuda_timed(chunk)
+        times.append(ms)
         addresses.update(v.data_ptr() for v in state.values())
         # references live on the host, so the device peak is the step's own
         outs.append((out.cpu(), {k: v.cpu() for k, v in state.items()}))
@@ -65,7 +57,7 @@ def equal(a, b):
 
 
 def summary(times):
-    return {"p50_ms": round(p50(times), 3), "p95_ms": round(p95(times), 3),
+    return {"p50_ms": round(median(times), 3), "p95_ms": round(p95(times), 3),
             "mean_ms": round(statistics.fmean(times), 3)}
 
 
@@ -166,7 +158,7 @@ def cfm_part(depth, chunks):
                     "staging_bytes": c.backend.staging_bytes,
                     "first_pass_seconds": round(compile_stream_s, 2),
                     "carry_shape": list(c.carries["estimator_att_cache"].tensor.shape)},
-        "speedup_p50": round(p50(st_times) / p50(times), 3),
+        "speedup_p50": round(median(st_times) / median(times), 3),
     }
 
 

@@ -138,7 +138,7 @@ def cfm_part(depth, trace_dir):
 
 
 def flow_part(depth, trace_dir):
-    import token2wav_chunk as tc
+    import suite_whole as tc   # the whole chunk stream (build, run)
     flow, hift, spk, prompt, tokens, last, turn = tc.build(depth, 4)
     compiled = cadence_fx.compile(flow, "minicpmo-token2wav-flow", release_envelopes=True)
 

@@ -44,15 +44,10 @@ import torch
 import cadence_fx
 from cadence_fx.models.token2wav import (FlowStep, HiFTStep, build_flow, build_hift,
                                          empty_hift_cache, prime_flow)
+from common import DEADLINE_MS, p95
 
-DEADLINE_MS = 1000.0   # 50 mel frames at 50 Hz
 BUDGET_MS = 900.0      # "well inside" the deadline (--budget-ms)
 DEVICE = "cuda"        # --device cpu: a harness check only (bench/suite_smoke.py sessions)
-
-
-def p95(xs):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
 
 
 def chunk_inputs(n_sessions, rounds, seed=5):

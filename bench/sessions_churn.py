@@ -39,7 +39,7 @@ import torch
 
 import cadence_fx
 from cadence_fx.models.token2wav import empty_hift_cache, prime_flow
-from sessions import DEADLINE_MS, p95
+from common import DEADLINE_MS, p95
 
 FIRST_ARRIVAL = 100   # arrival j is speaker FIRST_ARRIVAL + j
 SHAPE_CAP = 3         # chunk classes depend on a session's chunk index only up to index 2

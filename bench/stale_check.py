@@ -5,7 +5,8 @@ out (a retry from an uncloned older state raises ``GuardError`` instead of readi
 frames). This measures, in one process, interleaved: the check itself (``Carry.is_stale`` on the
 state the previous call returned), and whole compiled calls of the toy stream with the check as
 shipped and with it switched off. On CUDA the calls replay device graphs; on the CPU they replay
-through the stand-in backend of the tests, so the figure is the host-side cost either way.
+through the CPU stand-in backend (``cadence_fx/replay_stand_in.py``), so the figure is the
+host-side cost either way.
 
     python bench/stale_check.py [--device cuda] [--calls 2000] [--out FILE.json]
 """
@@ -13,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
@@ -41,8 +40,7 @@ def main(argv=None) -> dict:
     dev = torch.device(a.device)
     backend = None
     if dev.type == "cpu":
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-        from replay_stand_in import StandInBackend
+        from cadence_fx.replay_stand_in import StandInBackend
         backend = StandInBackend()
     model = PromptRetainedToy().to(dev)
     with torch.no_grad():

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from cadence_fx.demo_streams import same_state  # mel/state equal; undeclared stock rows zero
+from common import p95
 
 __all__ = ["BLOCKS", "ROW_KEYS", "Baseline", "CFMStream", "cleanup", "compile_breakdown",
            "counters_row", "measure", "p95", "profile", "ratio_ci"]
@@ -37,11 +38,6 @@ BLOCKS = 8   # timed passes over the whole stream per configuration (--blocks)
 # the flat per-configuration view of a result (``result[letter]``); the full rows are under ``cfm``
 ROW_KEYS = ("p50_ms", "p95_ms", "peak_bytes", "reserved_bytes", "bit_exact_blocks", "blocks",
             "replays", "fallbacks", "floor_ms", "kernel_ms", "kernels", "status")
-
-
-def p95(xs):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
 
 
 def ratio_ci(times, ref, n=2000, seed=0):

@@ -1,0 +1,58 @@
+"""What the benchmark scripts share: latency statistics, timing with CUDA events, the identity of
+a run and its result file.
+
+Every script puts ``bench/`` first on ``sys.path`` by being run from it (``python bench/x.py``)
+and imports this module as ``common``; nothing here imports from ``tests/``.
+
+* ``p95`` and ``median``: per-chunk statistics in milliseconds (``p95`` is the sample at rank
+  round(0.95 (n - 1)), no interpolation, as every committed result computed it).
+* ``cuda_timed(fn)``: run ``fn()`` between two CUDA events, synchronize, return its result and
+  the milliseconds between them (device time of the work ``fn`` queued, host gaps included).
+* ``run_info()`` and ``write_result(path, result)``: the GPU, torch and commit every result file
+  opens with (``CADENCE_COMMIT``, set by ``bench/device.sh``), and the file itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Callable, Sequence, Tuple, TypeVar
+
+import torch
+
+__all__ = ["DEADLINE_MS", "p95", "median", "cuda_timed", "run_info", "write_result"]
+
+T = TypeVar("T")
+
+DEADLINE_MS = 1000.0   # a Token2Wav chunk: 50 mel frames at 50 Hz, one second of audio
+
+
+def p95(xs: Sequence[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def cuda_timed(fn: Callable[[], T]) -> Tuple[T, float]:
+    """``fn()`` timed with CUDA events: ``(result, ms)``, after a synchronize."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    torch.cuda.synchronize()
+    return out, start.elapsed_time(end)
+
+
+def run_info(**extra) -> dict:
+    """The keys every result file opens with: where and at which commit it ran."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"gpu": gpu, "torch": torch.__version__,
+            "commit": os.environ.get("CADENCE_COMMIT", "unknown"), **extra}
+
+
+def write_result(path: str, result: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
