@@ -82,7 +82,9 @@ def test_whole_streams_bit_exact_with_flushes_and_re_primed_turns(model, stock, 
     assert (k.calls, k.compiled_calls) == (chunks + len(TURNS), chunks + len(TURNS))
     assert (k.fallbacks, dict(k.reasons)) == (0, {})
     assert k.carry_addresses == 1 and set(k.addresses) == set(REGIONS)
-    assert k.absorptions == 0   # the priming pass writes the carries: nothing is copied in
+    # the priming pass writes the conv carries; its K/V are transposed projections, handed back
+    # in that layout as stock does, and copied into their contiguous carries once per turn
+    assert k.absorptions == len(TURNS) * 2 * LAYERS
     assert _class_keys(c) == ALL_CLASSES
     assert k.applications == sum(c.auditor.comparisons.values()) > 0   # every carry write audited
 
