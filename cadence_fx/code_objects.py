@@ -18,7 +18,7 @@ Layout::
     CACHE_DIR/kernels/code/<key>.pyc    one header line (JSON) + the marshal'd code object
 
 The key is the SHA-256 of the source and the Python version; the header repeats it with the
-payload's length and digest (``region_kernels.write_entry``), so a damaged or foreign entry is
+payload's length and digest (``entries.write_entry``), so a damaged or foreign entry is
 reported with a warning and compiled again, never run.
 """
 from __future__ import annotations
@@ -33,6 +33,8 @@ import types
 import warnings
 from pathlib import Path
 from typing import Optional
+
+from .entries import BadEntry, read_entry, write_entry
 
 __all__ = ["install", "installed_dir", "stats"]
 
@@ -89,7 +91,6 @@ def _code(source: str, path: str) -> types.CodeType:
     directory = _DIR
     if directory is None:
         return compile(source, path, "exec", dont_inherit=True)
-    from .region_kernels import BadEntry, read_entry, write_entry
     digest = hashlib.sha256(f"{sys.version}\0{source}".encode()).hexdigest()
     kept = directory / f"{digest[:32]}.pyc"
     try:

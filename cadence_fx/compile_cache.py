@@ -55,8 +55,9 @@ from typing import Dict, List, Optional
 import torch
 import torch.utils._pytree as pytree
 
-from .region_kernels import BadEntry, compiler_digest, read_entry, write_entry
-from .region_kernels import atomic_write as _atomic_write
+from .entries import BadEntry, read_entry, write_entry
+from .entries import atomic_write as _atomic_write
+from .region_kernels import compiler_digest
 from .stored_class import attributes
 from .tracing import TracedStep, module_state_tensors
 
