@@ -1,5 +1,6 @@
 """Stock epilogues made ops of their own, so that they can join a fused region
-(``passes/fuse_exact.py`` runs these first). Cases handled -- the Token2Wav DiT's causal conv::
+(run as the passes ``split_conv_bias`` and ``contiguous_norm_inputs``, ``fusion_prep.py``,
+before ``fuse_exact``). Cases handled -- the Token2Wav DiT's causal conv::
 
     before:  h = conv1d(x, w, b)                      # cuDNN, then ATen's own output.add_(b)
              n = layer_norm(h.transpose(1, 2))        # the norm's kernel copies its strided input

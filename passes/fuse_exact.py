@@ -57,9 +57,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from cadence_fx import fusion
 from cadence_fx.context import PassContext
 from cadence_fx.fusion import FusedRegion
-from cadence_fx.passes.cat_in_place import write_cats_in_place
-from cadence_fx.passes.region_writes import absorbed_write, functional_temporaries, write_target
-from cadence_fx.passes.epilogues import contiguous_norm_inputs, split_conv_bias
+from cadence_fx.passes.region_writes import absorbed_write, write_target
 from cadence_fx.fx_utils import WRITES, aten, graph_module, is_mutating, step_device, subgraph, val
 
 __all__ = ["fuse_exact", "EXACT_OPS", "VIEWS", "fusible", "is_kernel"]
@@ -257,13 +255,6 @@ def fuse_exact(gm: GraphModule, ctx: PassContext) -> PassResult:
         records["skipped"] = (f"fusion is for device steps ({', '.join(fusion.DEVICES)}); this step "
                               f"runs on {device}")
         return PassResult(gm, False)
-    records["inplace_made_functional"] = functional_temporaries(gm)
-    records["cats_left"] = {}     # copies of a cat left as they were, by reason
-    records["cats_in_place"] = write_cats_in_place(gm, device, records["cats_left"])
-    records["conv_bias_split"] = split_conv_bias(gm, device)
-    records["norm_inputs_copied"] = contiguous_norm_inputs(
-        gm, device, lambda n: fusible(n, device) and is_kernel(n),
-        lambda n: n.op == "call_function" and n.target in VIEWS and fusible(n, device))
     runs = regions_in_order(gm.graph, device)
     counters = getattr(ctx, "counters", None)
     made = 0

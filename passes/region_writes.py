@@ -1,4 +1,5 @@
-"""Writes around the fused regions (``fuse_exact`` calls these; same switch).
+"""Writes around the fused regions (``fuse_exact`` calls the first; the second is the pass
+``functional_temporaries`` of ``fusion_prep.py``, run before it).
 
 **A copy into a buffer, taken over by the region before it** (``absorbed_write``,
 ``write_target``): ``x = f(...); dst.copy_(x)``, with ``f`` a region, becomes the region writing

@@ -1,0 +1,77 @@
+"""The four rewrites that prepare a device step for exact fusion, each a pass of its own.
+
+Each one only changes where values are stored or which kernel an op runs in, never what is
+computed, and each gives ``fuse_exact`` (the pass after them) more to fuse:
+
+* ``functional_temporaries``: in-place arithmetic on a temporary made functional
+  (``region_writes.functional_temporaries``; Moshi's depformer offsets);
+* ``cats_in_place``: ``buffer.copy_(cat(parts))`` written part by part into the buffer's views
+  (``cat_in_place.write_cats_in_place``; the DiT's K/V caches);
+* ``split_conv_bias``: a convolution whose backend adds the bias after it made
+  ``conv(x, w, None) + b`` (``epilogues.split_conv_bias``; the DiT's causal conv);
+* ``contiguous_norm_inputs``: a LayerNorm's strided input, made by a fusible kernel, copied to a
+  contiguous one explicitly, as the norm's kernel would (``epilogues.contiguous_norm_inputs``).
+
+Like fusion they run on fusion's devices only (``cadence_fx.fusion.DEVICES``); elsewhere each
+leaves the graph as it is. Each counts what it did in the class's ``fusion`` records under the key
+it always had (``inplace_made_functional``, ``cats_in_place`` with ``cats_left``,
+``conv_bias_split``, ``norm_inputs_copied``), and is ``modified`` only where it rewrote something.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch.fx import GraphModule
+from torch.fx.passes.infra.pass_base import PassResult
+
+from cadence_fx import fusion
+from cadence_fx.context import PassContext
+from cadence_fx.fx_utils import step_device
+from cadence_fx.passes import cat_in_place, epilogues, region_writes
+
+__all__ = ["functional_temporaries", "cats_in_place", "split_conv_bias", "contiguous_norm_inputs"]
+
+
+def _fusion_device(gm: GraphModule) -> Optional[str]:
+    device = step_device(gm).type
+    return device if device in fusion.DEVICES else None
+
+
+def _records(ctx: PassContext) -> dict:
+    return ctx.records.setdefault("fusion", {"regions": [], "skipped": None})
+
+
+def functional_temporaries(gm: GraphModule, ctx: PassContext) -> PassResult:
+    if _fusion_device(gm) is None:
+        return PassResult(gm, False)
+    made = _records(ctx)["inplace_made_functional"] = region_writes.functional_temporaries(gm)
+    return PassResult(gm, made > 0)
+
+
+def cats_in_place(gm: GraphModule, ctx: PassContext) -> PassResult:
+    device = _fusion_device(gm)
+    if device is None:
+        return PassResult(gm, False)
+    records = _records(ctx)
+    records["cats_left"] = {}     # copies of a cat left as they were, by reason
+    records["cats_in_place"] = cat_in_place.write_cats_in_place(gm, device, records["cats_left"])
+    return PassResult(gm, records["cats_in_place"] > 0)
+
+
+def split_conv_bias(gm: GraphModule, ctx: PassContext) -> PassResult:
+    device = _fusion_device(gm)
+    if device is None:
+        return PassResult(gm, False)
+    split = _records(ctx)["conv_bias_split"] = epilogues.split_conv_bias(gm, device)
+    return PassResult(gm, split > 0)
+
+
+def contiguous_norm_inputs(gm: GraphModule, ctx: PassContext) -> PassResult:
+    from cadence_fx.passes.fuse_exact import VIEWS, fusible, is_kernel
+    device = _fusion_device(gm)
+    if device is None:
+        return PassResult(gm, False)
+    copied = _records(ctx)["norm_inputs_copied"] = epilogues.contiguous_norm_inputs(
+        gm, device, lambda n: fusible(n, device) and is_kernel(n),
+        lambda n: n.op == "call_function" and n.target in VIEWS and fusible(n, device))
+    return PassResult(gm, copied > 0)
