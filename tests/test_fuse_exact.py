@@ -200,15 +200,18 @@ def test_inductor_sees_a_division_by_a_number_as_atens_product_with_its_reciproc
 
 
 def _fused_graph(f, *args):
-    """``f`` traced and run through the pass alone, on the CPU: (graph module, regions)."""
+    """``f`` traced and run through fusion's passes alone (the rewrites that prepare it, then
+    ``fuse_exact``), on the CPU: (graph module, regions)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from cadence_fx import passes
     from cadence_fx.context import PassContext
-    from cadence_fx.passes.fuse_exact import fuse_exact
+    from cadence_fx.pipeline import FUSION_PREP
     gm = torch.fx.experimental.proxy_tensor.make_fx(f)(*[a.clone() for a in args])
     FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*[a.clone() for a in args])
     ctx = PassContext(adapter=None, class_key="k", inputs=[], regions=[], module_buffers={})
-    gm = fuse_exact(gm, ctx).graph_module
+    for name in (*FUSION_PREP, "fuse_exact"):
+        gm = getattr(passes, name)(gm, ctx).graph_module
     gm.graph.lint()
     gm.recompile()
     return gm, regions(gm)
