@@ -309,8 +309,9 @@ class CompiledStep:
 
 def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str], *,
             module: Optional[torch.nn.Module] = None, verify: bool = False, strict: bool = False,
-            graphs: Optional[bool] = None, state_rule: bool = True, constants: bool = True,
-            fuse: bool = True, backend=None, tracing_mode: str = "fake",
+            graphs: Optional[bool] = None, state_rule: Optional[bool] = None,
+            constants: Optional[bool] = None, fuse: Optional[bool] = None, backend=None,
+            tracing_mode: str = "fake",
             carries: Optional[Dict[str, Carry]] = None, copy_outputs: bool = True,
             options: Optional[Options] = None, release_envelopes: bool = False,
             trace_cache: Optional[dict] = None, keep_before: bool = True,
@@ -325,7 +326,8 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
     every piece on the guarded eager path. ``carries``
     shares the carry store of another compiled step of the same stream. ``copy_outputs=False``
     hands out replayed results in place (overwritten by the next replay) instead of cloning them.
-    ``options`` (a ``pipeline.Options``) replaces ``state_rule``/``constants``/``fuse`` for ablations.
+    ``options`` (a ``pipeline.Options``) switches any pass for ablations; ``state_rule``,
+    ``constants`` or ``fuse`` given beside it must agree with it (``ValueError`` otherwise).
     ``release_envelopes=True`` frees the storage of the module's stock envelope buffers once the
     carries have replaced them (the memory the state rule saves); it comes back, zero-filled,
     whenever the stock step has to run (a fallback, the probationary call).
@@ -357,8 +359,7 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
         raise TypeError("cannot tell which module holds the step's weights; pass module=")
     if graphs is None:
         graphs = os.environ.get("CADENCE_FX_DISABLE_GRAPHS", "0") in ("", "0")
-    if options is None:
-        options = Options(constants=constants, state_rule=state_rule, fuse_exact=fuse)
+    options = _options(options, state_rule=state_rule, constants=constants, fuse_exact=fuse)
     return CompiledStep(step, adapter, module, verify=verify, strict=strict, options=options,
                         backend=backend, tracing_mode=tracing_mode, carries=carries,
                         graphs=graphs, copy_outputs=copy_outputs,
@@ -366,6 +367,20 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
                         keep_before=keep_before, donate_state=donate_state,
                         cache_dir=cache_dir if cache_dir is not None
                         else os.environ.get("CADENCE_FX_CACHE_DIR") or None)
+
+
+def _options(options: Optional[Options], **switches: Optional[bool]) -> Options:
+    """The pass options: ``options`` (default ``Options()``) with the keyword switches given; a
+    switch that disagrees with an explicit ``options`` is an error, not a silent override."""
+    given = {field: on for field, on in switches.items() if on is not None}
+    if options is None:
+        return Options(**given)
+    clash = {f: on for f, on in given.items() if getattr(options, f) != on}
+    if clash:
+        said = ", ".join(f"{'fuse' if f == 'fuse_exact' else f}={on}" for f, on in clash.items())
+        raise ValueError(f"compile(): {said} disagrees with options={options!r}; switch each pass "
+                         "once, in options=Options(...) or as a keyword")
+    return options
 
 
 def _adapter(adapter: Union[Adapter, str]) -> Adapter:
