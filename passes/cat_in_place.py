@@ -24,7 +24,7 @@ bits into the buffer and computes the same values everywhere else.
 from __future__ import annotations
 
 import operator
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -223,10 +223,26 @@ def _rewrite(gm: GraphModule, write: Node, device: str) -> Union[int, str]:
     readers = list({u: None for c in tree.cats[1:] for u in c.users
                     if u not in tree.cats and u is not write})
     # graph order: nodes compare by their place in the graph
-    first = min(tree.cats)
     if any(not top < r < write for r in readers):
         return "a reader before the outermost cat or after the copy"
-    # the buffer's view is remade where the writes go: from nodes that exist there
+    chain = _buffer_view(dst, top)
+    if isinstance(chain, str):
+        return chain
+    why = _interference(tree, readers, set(chain) | {write}, write, dst)
+    if why is not None:
+        return why
+    boxes, leaves = _boxes(tree, top, d)
+    for r in readers:
+        why = _sdpa_changes(r, {c: _view(d, boxes[c]) for c in tree.cats})
+        if why is not None:
+            return why
+    _write_parts(gm.graph, write, top, d, tree, chain, readers, boxes, leaves)
+    return len(tree.cats)
+
+
+def _buffer_view(dst: Node, top: Node) -> Union[List[Node], str]:
+    """The nodes after the outermost cat that make the buffer's view (remade where the writes
+    go, from nodes that exist there), or why they cannot be."""
     chain, node = [], dst
     while isinstance(node, Node) and node.op == "call_function" and node > top:
         if node.target not in (aten.slice.Tensor, aten.select.int, aten.narrow.default,
@@ -237,6 +253,13 @@ def _rewrite(gm: GraphModule, write: Node, device: str) -> Union[int, str]:
     if any(isinstance(a, Node) and a > top for c in chain for a in c.all_input_nodes
            if a not in chain):
         return "the buffer's view needs values made after the outermost cat"
+    return chain
+
+
+def _interference(tree: "_Tree", readers: List[Node], moved: set, write: Node,
+                  dst: Node) -> Optional[str]:
+    """Why the parts cannot be written into the buffer early: nothing between the first cat and
+    the copy may read or write the buffer, nor write a part."""
     buffer = storage_key(dst)
     keys = [storage_key(p) for p in tree.parts]
     if buffer is None or any(k is None for k in keys):
@@ -244,9 +267,8 @@ def _rewrite(gm: GraphModule, write: Node, device: str) -> Union[int, str]:
     parts = set(keys)
     if buffer in parts:
         return "a part is a view of the buffer"
-    # nothing between the first cat and the copy reads or writes the buffer, nor writes a part
-    placed, moved = set(tree.cats), set(chain) | {write}
-    n = first.prev
+    placed = set(tree.cats)
+    n = min(tree.cats).prev
     while (n := n.next) is not write:
         if n in placed or n in moved:
             continue
@@ -261,7 +283,11 @@ def _rewrite(gm: GraphModule, write: Node, device: str) -> Union[int, str]:
                 return f"{n.target} writes the buffer or a part in between"
         if any(_same_storage(a, buffer) for a in n.all_input_nodes):
             return f"{n.target} reads the buffer in between"
-    # the box (start, stop per dim) of the buffer each cat and part lands in
+    return None
+
+
+def _boxes(tree: "_Tree", top: Node, d: torch.Tensor) -> Tuple[Dict[Node, tuple], List[tuple]]:
+    """The box (start, stop per dim) of the buffer each cat lands in, and each part with its."""
     boxes: Dict[Node, tuple] = {top: tuple((0, size) for size in d.shape)}
     leaves: List[tuple] = []
     for cat in tree.cats:
@@ -275,12 +301,13 @@ def _rewrite(gm: GraphModule, write: Node, device: str) -> Union[int, str]:
                 boxes[part] = tuple(box)
             else:
                 leaves.append((part, tuple(box)))
-    for r in readers:
-        why = _sdpa_changes(r, {c: _view(d, boxes[c]) for c in tree.cats})
-        if why is not None:
-            return why
-    # rewrite: the buffer's view after the outermost cat, then every part copied to its place
-    graph = gm.graph
+    return boxes, leaves
+
+
+def _write_parts(graph, write: Node, top: Node, d: torch.Tensor, tree: "_Tree", chain: List[Node],
+                 readers: List[Node], boxes: Dict[Node, tuple], leaves: List[tuple]) -> None:
+    """The rewrite: the buffer's view after the outermost cat, every part copied to its place,
+    the readers moved onto the buffer's views, the cats and the copy gone."""
     cursor = top
 
     def emit(target, args, value) -> Node:
@@ -290,7 +317,7 @@ def _rewrite(gm: GraphModule, write: Node, device: str) -> Union[int, str]:
         cursor.meta["val"] = value
         return cursor
 
-    base = dst
+    base = write.args[0]
     if chain:            # the buffer's view, remade after the outermost cat
         env: Dict[Node, Node] = {}
         for c in reversed(chain):
@@ -320,4 +347,3 @@ def _rewrite(gm: GraphModule, write: Node, device: str) -> Union[int, str]:
             graph.erase_node(c)
     for cat in tree.cats:    # outermost first: each one's users are gone by then
         graph.erase_node(cat)
-    return len(tree.cats)
