@@ -75,3 +75,36 @@ def test_bad_inputs_name_what_to_send():
         engine.chunk(sid, {"x": torch.zeros(8, 256)})
     with pytest.raises(KeyError, match="open"):
         engine.chunk(sid + 1, {"x": torch.zeros(1, 8, 256)})
+
+
+def test_lanes_and_threads_keep_every_session_exact(toy_cache):
+    """Two lanes, four sessions sent from four threads at once (as a replica's worker threads
+    do): each session lives on one lane and equals itself run alone on the stock step."""
+    import concurrent.futures
+    model = build("toy", cache_dir=toy_cache)
+    engine = PoolEngine(model, lanes=2)
+    warm = engine.warm()
+    assert warm["fallbacks"] == 0 and warm["calls"] == 2 * model.warm_chunks
+    ids = [engine.open(seed=50 + s) for s in range(4)]
+    assert sorted(engine.lane_of(sid) for sid in ids) == [0, 0, 1, 1]
+
+    def play(k):
+        ref, outs = StockSession(model, seed=50 + k), []
+        for i, x in enumerate(stream(model, 50 + k)):
+            if i == RESET_AFTER + 1:
+                engine.reset(ids[k])
+            out, _ = engine.chunk(ids[k], x, last=i in LAST)
+            outs.append((out["y"], ref, x, i))
+        return outs
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        played = list(pool.map(play, range(4)))
+    for outs in played:   # the stock references after the threads: they share the module
+        for y, ref, x, i in outs:
+            if i == RESET_AFTER + 1:
+                ref.reset()
+            assert torch.equal(y, ref.chunk(x, last=i in LAST)["y"]), i
+    assert all(p.lanes[1].compiled.counters.compiled_calls > 0 for p in engine.pools.values())
+    for sid in ids:
+        engine.close(sid)
+    assert engine.live == 0
