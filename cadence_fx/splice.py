@@ -184,7 +184,6 @@ class RepeatedCalls:
     def _examine(self, tracer, module, leaves, out, state, rng, last, inputs, before):
         refuse = _Refused
         graph = tracer.graph
-
         nodes = []
         n = last.next
         while n is not graph._root:
@@ -196,60 +195,17 @@ class RepeatedCalls:
         exits = sum(getattr(n.target, "__name__", "") == "_exit_autocast" for n in nodes)
         if enters != exits:
             raise refuse("an autocast region opens or closes across the call's boundary")
-        inside = set(nodes)
-        # which tensor each outside node stands for: arguments first, then the trace's inputs
-        leaf_at = {}
-        for i, t in enumerate(leaves):
-            if isinstance(t, torch.Tensor):
-                node = before[id(t)][0]
-                if node is None:
-                    raise refuse(f"argument {i} is a tensor the tracer does not track (a constant)")
-                leaf_at.setdefault(node, ("arg", i))
-        for t in inputs:
-            node = before[id(t)][0]
-            if node is not None:
-                leaf_at.setdefault(node, ("input", t))
-        ext = {}
-        for n in nodes:
-            for a in n.all_input_nodes:
-                if a in inside or a in ext:
-                    continue
-                if a.op == "get_attr":
-                    ext[a] = ("same", a)
-                elif a in leaf_at:
-                    ext[a] = leaf_at[a]
-                else:
-                    raise refuse(f"node {n.name} reads {a.name}, a value that is neither an argument "
-                                 f"of the call nor an input of the trace (read through an attribute?)")
+        ext = _external_reads(nodes, leaves, inputs, before)
         # writes to arguments and trace inputs: which node the tensor's proxy moved to
+        inside = set(nodes)
         mutated = []
         for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
                 mutated += self._moved(tracer, t, before, inside, ("arg", i), refuse)
         for t in inputs:
             mutated += self._moved(tracer, t, before, inside, ("input", t), refuse)
-        # results
         out_leaves, out_spec = pytree.tree_flatten(out)
-        index = {n: k for k, n in enumerate(nodes)}
-        outputs = []
-        for o in out_leaves:
-            if isinstance(o, torch.Tensor):
-                slot = pt.get_proxy_slot(o, tracer, None)
-                if slot is None:
-                    raise refuse("a result tensor is not tracked (a constant)")
-                if slot.constant is not None:
-                    raise refuse("a result carries a constant value the tracer may fold later")
-                node = slot.proxy.node
-                if node in index:
-                    outputs.append(("node", index[node]))
-                elif node in ext and ext[node][0] != "same":
-                    outputs.append(("ext", ext[node]))
-                else:
-                    raise refuse("a result is a tensor from outside the call that it did not read")
-            elif isinstance(o, _IMMUTABLE):
-                outputs.append(("const", o))
-            else:
-                raise refuse(f"a result of type {type(o).__name__} is not a tensor or a constant")
+        outputs = _results(tracer, out_leaves, nodes, ext)
         return _Record(nodes, ext, mutated, outputs, out_spec, _plans(nodes, leaves, ext, refuse), state)
 
     @staticmethod
@@ -345,3 +301,59 @@ def _leaf_key(leaves) -> tuple:
         else:
             raise _Refused(f"argument {i} of type {type(x).__name__} is not a tensor or a constant")
     return tuple(key) + global_signature()
+
+
+def _external_reads(nodes, leaves, inputs, before) -> dict:
+    """Which tensor each node outside the call that it reads stands for: ``("arg", i)``,
+    ``("input", t)`` (a trace input) or ``("same", node)`` (an attribute); refused otherwise."""
+    inside = set(nodes)
+    leaf_at = {}      # arguments first, then the trace's inputs
+    for i, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor):
+            node = before[id(t)][0]
+            if node is None:
+                raise _Refused(f"argument {i} is a tensor the tracer does not track (a constant)")
+            leaf_at.setdefault(node, ("arg", i))
+    for t in inputs:
+        node = before[id(t)][0]
+        if node is not None:
+            leaf_at.setdefault(node, ("input", t))
+    ext = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a in inside or a in ext:
+                continue
+            if a.op == "get_attr":
+                ext[a] = ("same", a)
+            elif a in leaf_at:
+                ext[a] = leaf_at[a]
+            else:
+                raise _Refused(f"node {n.name} reads {a.name}, a value that is neither an argument "
+                               f"of the call nor an input of the trace (read through an attribute?)")
+    return ext
+
+
+def _results(tracer, out_leaves, nodes, ext) -> list:
+    """Where each result of the call comes from: a node of the call, a value it read, or a
+    constant; refused otherwise."""
+    index = {n: k for k, n in enumerate(nodes)}
+    outputs = []
+    for o in out_leaves:
+        if isinstance(o, torch.Tensor):
+            slot = pt.get_proxy_slot(o, tracer, None)
+            if slot is None:
+                raise _Refused("a result tensor is not tracked (a constant)")
+            if slot.constant is not None:
+                raise _Refused("a result carries a constant value the tracer may fold later")
+            node = slot.proxy.node
+            if node in index:
+                outputs.append(("node", index[node]))
+            elif node in ext and ext[node][0] != "same":
+                outputs.append(("ext", ext[node]))
+            else:
+                raise _Refused("a result is a tensor from outside the call that it did not read")
+        elif isinstance(o, _IMMUTABLE):
+            outputs.append(("const", o))
+        else:
+            raise _Refused(f"a result of type {type(o).__name__} is not a tensor or a constant")
+    return outputs
