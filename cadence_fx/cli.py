@@ -296,6 +296,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--gpus", type=float, default=None,
                    help="GPUs per replica (default: 1 with CUDA, else 0)")
     s.add_argument("--cpus", type=float, default=1.0, help="CPUs per replica")
+    s.add_argument("--lanes", type=int, default=1,
+                   help="lanes per replica: sets of carries and graphs whose chunks run "
+                        "concurrently on the GPU (docs/sessions.md; default 1)")
     s.add_argument("--full", action=argparse.BooleanOptionalAction, default=None,
                    help="the model's real configuration, as demo --full")
     s.add_argument("--drain-timeout", type=float, default=60.0,

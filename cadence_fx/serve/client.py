@@ -30,7 +30,9 @@ class StreamClient:
     def __init__(self, url: str = "ws://127.0.0.1:8000/v1/stream", timeout: float = 120.0):
         from websockets.sync.client import connect
         self.url, self.timeout = url, timeout
-        self._ws = connect(url, max_size=None, open_timeout=timeout, close_timeout=5)
+        # entered at once: the connection lives as long as the client (``close``)
+        self._ws = connect(url, max_size=None, open_timeout=timeout, close_timeout=5,
+                           ping_interval=None).__enter__()
 
     def request(self, header: dict, tensors: Optional[Tensors] = None) -> Tuple[dict, Tensors]:
         """Send one request and return the reply; an error reply raises."""

@@ -5,23 +5,27 @@ and ``build_app``, the whole Serve application.
 ``docs/serving.md``); the gateway reads the session token from its header, hands the message to
 the replicas' handle (``SessionRouter`` picks the session's replica) and sends the reply back,
 one request at a time per connection. A replica that dies under a request, or before it, turns
-into a ``session_lost`` reply; the connection stays open for the next session. ``/v1/health``
-(GET): every replica's stats (live sessions, draining, warm start, counters).
+into a ``session_lost`` reply; the connection stays open for the next session. An ``open``
+skips the replicas the gateway knows to be draining, and one refused by a draining replica is
+tried again on the others. ``/v1/health`` (GET): every replica's stats (live sessions,
+draining, drained, warm start, counters). ``/v1/drain`` (POST, JSON ``{"replicas": [ids] or
+null for all, "draining": true|false}``): drains (or stops draining) replicas in place, without
+a redeploy, so open WebSockets and live sessions go on; it answers as ``/v1/health`` does.
 """
 # no ``from __future__ import annotations``: FastAPI reads the routes' parameter types (the
 # WebSocket) from their annotations, which a bound method cannot resolve from strings
 import json
 import struct
-from typing import Optional
+from typing import List, Optional
 
 import ray
-from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from fastapi import Body, FastAPI, HTTPException, WebSocket, WebSocketDisconnect
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from .protocol import encode, error
+from .protocol import error
 from .replica import SessionReplica
 from .router import SessionRouter
 
@@ -30,13 +34,19 @@ __all__ = ["Gateway", "build_app", "REPLICA"]
 REPLICA = "SessionReplica"   # the replicas' deployment name (their actors' names carry it)
 
 
-def _token(message: bytes) -> Optional[str]:
-    """The session a message names (its header's ``session``), read without its tensors."""
+def _header(message: bytes) -> dict:
+    """A message's header, read without its tensors ({} when malformed: the replica answers
+    bad_request, naming what is)."""
     try:
         (n,) = struct.unpack(">I", message[:4])
-        token = json.loads(bytes(message[4:4 + n])).get("session")
-    except (struct.error, ValueError, AttributeError):
-        return None   # the replica answers bad_request, naming what is malformed
+        header = json.loads(bytes(message[4:4 + n]))
+    except (struct.error, ValueError):
+        return {}
+    return header if isinstance(header, dict) else {}
+
+
+def _token(header: dict) -> Optional[str]:
+    token = header.get("session")
     return token if isinstance(token, str) else None
 
 
@@ -45,6 +55,7 @@ def _token(message: bytes) -> Optional[str]:
 class Gateway:
     def __init__(self, replicas: DeploymentHandle, model: str):
         self.replicas, self.model = replicas, model
+        self.draining = set()   # replicas known to drain: opens skip them
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # built in the replica: a FastAPI app made at import time may not pickle (its
@@ -52,6 +63,7 @@ class Gateway:
         api = FastAPI(title="cadence_fx sessions")
         api.add_api_websocket_route("/v1/stream", self.stream)
         api.add_api_route("/v1/health", self.health, methods=["GET"])
+        api.add_api_route("/v1/drain", self.drain, methods=["POST"])
         return api
 
     async def stream(self, ws: WebSocket) -> None:
@@ -71,9 +83,23 @@ class Gateway:
             return
 
     async def _forward(self, message: bytes) -> bytes:
-        token = _token(message)
+        header = _header(message)
+        token = _token(header)
+        if header.get("op") != "open":
+            return await self._call(token, message)
+        refused = set()
+        while True:   # an open refused by a draining replica goes to the others
+            reply = await self._call(None, message, avoid=sorted(self.draining | refused))
+            answer = _header(reply)
+            tag = answer.get("replica")
+            if answer.get("code") != "draining" or not tag or tag in refused:
+                return reply
+            refused.add(tag)
+            self.draining.add(tag)
+
+    async def _call(self, token: Optional[str], message: bytes, avoid=()) -> bytes:
         try:
-            return await self.replicas.handle.remote(token, message)
+            return await self.replicas.handle.remote(token, message, avoid=list(avoid))
         except (RayActorError, ActorUnavailableError) as e:   # the replica died under it
             if token is None:
                 return error("failed", f"the replica died while opening ({type(e).__name__}); "
@@ -83,41 +109,74 @@ class Gateway:
                          "prime it again", token)
 
     async def health(self) -> dict:
-        """Every live replica's stats: found by their actors' names, asked by their tokens."""
+        """Every live replica's stats."""
+        return await self._statuses(self._tags())
+
+    async def drain(self, body: Optional[dict] = Body(None)) -> dict:
+        """Drain the replicas ``body["replicas"]`` names (all when null or absent), or stop
+        draining them with ``"draining": false``; answers as ``health`` does."""
+        body = body or {}
+        tags, flag = self._tags(), body.get("draining", True)
+        named = body.get("replicas")
+        if not isinstance(flag, bool) or not (named is None or isinstance(named, list)):
+            raise HTTPException(400, 'send {"replicas": [replica ids] or null for all, '
+                                '"draining": true or false}')
+        unknown = sorted(set(named or ()) - set(tags))
+        if unknown:
+            raise HTTPException(404, f"no live replica {unknown} (live: {tags}); name replicas "
+                                "/v1/health lists")
+        return await self._statuses(tags, named if named is not None else tags, flag)
+
+    def _tags(self) -> List[str]:
+        """The live replicas' ids, found by their actors' names."""
         app = serve.get_replica_context().app_name
         prefix = f"SERVE_REPLICA::{app}#{REPLICA}#"
-        tags = sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(True)
+        return sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(True)
                       if a["name"].startswith(prefix))
+
+    async def _statuses(self, tags: List[str], set_on=(), draining: Optional[bool] = None
+                        ) -> dict:
+        """Every replica's stats, asked by its id (the router sends each to its replica), the
+        replicas in ``set_on`` told ``draining`` first."""
         replicas = {}
         for tag in tags:
+            flag = draining if tag in set_on else None
             try:
-                reply = await self.replicas.handle.remote(f"{tag}:", encode({"op": "stats"}))
+                stats = await self.replicas.status.remote(f"{tag}:", flag)
             except (RayActorError, ActorUnavailableError):
                 continue
-            stats = json.loads(reply[4:4 + struct.unpack(">I", reply[:4])[0]])["stats"]
-            replicas[stats["replica"]] = stats
+            if stats is not None:
+                replicas[stats["replica"]] = stats
+        self.draining = {t for t, s in replicas.items() if s["draining"]}
         return {"model": self.model, "replicas": replicas,
                 "live_sessions": sum(s["live_sessions"] for s in replicas.values()),
-                "draining": any(s["draining"] for s in replicas.values())}
+                "draining": sorted(self.draining),
+                "drained": sorted(t for t, s in replicas.items() if s["drained"])}
 
 
 def build_app(model: str = "toy", replicas: int = 1, *, cache_dir=None, num_gpus=None,
               num_cpus: float = 1.0, device: str = "auto", full: Optional[bool] = None,
               threads: Optional[int] = None, deadline_ms: Optional[float] = None,
-              draining: bool = False, max_ongoing_requests: int = 64):
+              lanes: int = 1, max_ongoing_requests: int = 64):
     """The Serve application: the gateway and ``replicas`` replicas of ``model``, each with
-    ``num_gpus`` GPUs (default: 1 where this machine has CUDA, else 0; fractional in tests) and
-    ``num_cpus`` CPUs, all compiling into the shared ``cache_dir``. ``serve.run`` it; running it
-    again with ``draining=True`` drains the replicas in place (no restart)."""
+    ``num_gpus`` GPUs (default: 1 where this machine has CUDA, else 0; fractional in tests),
+    ``num_cpus`` CPUs and ``lanes`` lanes, all compiling into the shared ``cache_dir``.
+    ``max_ongoing_requests``: requests a replica runs at once (each in a worker thread of its
+    own); a session sends one at a time, so keep it above the sessions a replica holds (a
+    pinned request waits in the gateway when its replica is full). ``serve.run`` it; drain it
+    with ``POST /v1/drain``."""
     if replicas < 1:
         raise ValueError(f"replicas={replicas}: serve at least one replica")
+    if lanes < 1 or max_ongoing_requests < 1:
+        raise ValueError(f"lanes={lanes}, max_ongoing_requests={max_ongoing_requests}: give "
+                         "each at least 1")
     if num_gpus is None:
         import torch
         num_gpus = 1 if torch.cuda.is_available() else 0
     replica = serve.deployment(SessionReplica, name=REPLICA).options(
         num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_gpus": num_gpus, "num_cpus": num_cpus},
-        user_config={"draining": draining},
         request_router_config=RequestRouterConfig(request_router_class=SessionRouter))
     return Gateway.bind(replica.bind(model, None if cache_dir is None else str(cache_dir),
-                                     device, full, threads, deadline_ms), model)
+                                     device, full, threads, deadline_ms, lanes,
+                                     max_ongoing_requests), model)

@@ -1,9 +1,10 @@
 """``cadence-fx serve``: a local Ray cluster serving one model, until Ctrl-C drains and stops it.
 
 Starts Ray (or joins ``--address``), Serve's HTTP proxy on ``--host:--port``, and the application
-(``gateway.build_app``) with the compile cache at ``--cache-dir``. Ctrl-C (or SIGTERM) redeploys it
-draining: no new sessions, live ones end with their turn; once none is left (or after
-``--drain-timeout`` seconds) Serve shuts down.
+(``gateway.build_app``) with the compile cache at ``--cache-dir`` and ``--lanes`` lanes per replica.
+Ctrl-C (or SIGTERM) drains every replica in place (``POST /v1/drain``: no new sessions, live ones
+end with their turn, open WebSockets stay up); once none is left (or after ``--drain-timeout``
+seconds) Serve shuts down.
 """
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ def _live(url: str) -> int:
         return json.loads(r.read())["live_sessions"]
 
 
+def _drain(url: str) -> int:
+    """Drain every replica; the live sessions left to end their turn."""
+    request = urllib.request.Request(url + "/v1/drain", data=b'{"draining": true}',
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return json.loads(r.read())["live_sessions"]
+
+
 def serve_locally(args) -> int:
     import ray
     from ray import serve
@@ -29,11 +38,12 @@ def serve_locally(args) -> int:
     ray.init(address=args.address, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     kw = dict(cache_dir=str(args.cache_dir or default_dir()), num_gpus=args.gpus,
-              num_cpus=args.cpus, full=args.full)
+              num_cpus=args.cpus, full=args.full, lanes=args.lanes)
     serve.run(build_app(args.model, args.replicas, **kw), name="cadence_fx", route_prefix="/")
     url = f"http://{args.host}:{args.port}"
     print(f"serving {args.model} on ws://{args.host}:{args.port}/v1/stream with {args.replicas} "
-          f"replicas (health: {url}/v1/health); Ctrl-C drains and stops", flush=True)
+          f"replicas of {args.lanes} lanes (health: {url}/v1/health); Ctrl-C drains and stops",
+          flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
     try:
         while True:
@@ -41,10 +51,10 @@ def serve_locally(args) -> int:
     except KeyboardInterrupt:
         pass
     print("draining: no new sessions; live ones end with their turn", file=sys.stderr, flush=True)
-    serve.run(build_app(args.model, args.replicas, draining=True, **kw), name="cadence_fx",
-              route_prefix="/")
+    live = _drain(url)
     deadline = time.monotonic() + args.drain_timeout
-    while time.monotonic() < deadline and _live(url):
+    while live and time.monotonic() < deadline:
         time.sleep(1)
+        live = _live(url)
     serve.shutdown()
     return 0

@@ -68,9 +68,10 @@ def decode(message: bytes) -> Tuple[dict, Dict[str, torch.Tensor]]:
     return header, tensors
 
 
-def error(code: str, message: str, session: Optional[str] = None) -> bytes:
+def error(code: str, message: str, session: Optional[str] = None, **extra) -> bytes:
+    """An error reply; ``extra``: more header fields (a draining replica names itself)."""
     assert code in ERRORS, code
-    return encode({"op": "error", "code": code, "message": message, "session": session})
+    return encode({"op": "error", "code": code, "message": message, "session": session, **extra})
 
 
 def raise_for(header: dict) -> None:

@@ -2,20 +2,27 @@
 and the sessions on them.
 
 At start the replica builds the model, compiles its steps with the shared ``cache_dir`` and runs
-the warm-up stream (``PoolEngine.warm``): a replica started after another has written the cache
-loads every class and traces none. Every request is ``handle(token, message)``: the session's
-token (``router.py`` routed the request here by it) and the client's message as it came
-(``protocol.py``); the reply is the message to send back. A session lives on this replica only:
-a token naming another replica is answered ``session_lost``, never served from a fresh state.
+the warm-up stream on every lane (``PoolEngine.warm``): a replica started after another has
+written the cache loads every class and traces none. Every request is ``handle(token,
+message)``: the session's token (``router.py`` routed the request here by it) and the client's
+message as it came (``protocol.py``); the reply is the message to send back. A session lives on
+this replica only: a token naming another replica is answered ``session_lost``, never served
+from a fresh state. Each request runs in a worker thread of the replica's own (as many as
+``max_ongoing_requests``), so the replica's event loop stays free for Serve's health checks and
+the handle's queue-length probes while chunks compute, and chunks of different lanes overlap on
+the device (``engine.py``).
 
-Draining (``user_config={"draining": True}``, given to every replica by a redeploy): sessions
-are no longer opened, and each live session is closed at the end of its turn (the reply to its
-``last`` chunk says so, a ``reset`` is refused), so no conversation is cut mid-turn. Metrics go
-through ``ray.util.metrics``: live sessions, chunk latency, deadline misses, stock fallbacks and
-lost sessions, tagged with the model and the replica.
+Draining (``status(token, draining=True)``, which the gateway's ``POST /v1/drain`` sends to the
+replicas it names): the replica opens no session, and each live session is closed at the end of
+its turn (the reply to its ``last`` chunk says so, a ``reset`` is refused), so no conversation is
+cut mid-turn; its stats say ``draining``, and ``drained`` once no session is left. Metrics go
+through ``ray.util.metrics``: live sessions, draining, chunk latency, deadline misses, stock
+fallbacks and lost sessions, tagged with the model and the replica.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import threading
 from typing import Optional
@@ -50,14 +57,16 @@ class _Metrics:
                                          "step calls that ran the stock step", tag_keys=keys)
         self.lost = metrics.Counter("cadence_fx_sessions_lost",
                                     "requests for a session whose replica is gone", tag_keys=keys)
-        for m in (self.live, self.latency, self.misses, self.fallbacks, self.lost):
+        self.draining = metrics.Gauge("cadence_fx_draining", "1 while the replica drains",
+                                      tag_keys=keys)
+        for m in (self.live, self.latency, self.misses, self.fallbacks, self.lost, self.draining):
             m.set_default_tags({"model": model, "replica": replica})
 
 
 class SessionReplica:
     def __init__(self, model: str, cache_dir: Optional[str] = None, device: str = "auto",
                  full: Optional[bool] = None, threads: Optional[int] = None,
-                 deadline_ms: Optional[float] = None):
+                 deadline_ms: Optional[float] = None, lanes: int = 1, workers: int = 64):
         if threads:
             torch.set_num_threads(threads)
         if device == "auto":
@@ -65,25 +74,43 @@ class SessionReplica:
         self.tag = serve.get_replica_context().replica_id.unique_id
         self.actor = ray.get_runtime_context().get_actor_name()
         self.model = build(model, device, cache_dir, full)
-        self.engine = PoolEngine(self.model)   # the one seam to the sessions (engine.py)
+        self.engine = PoolEngine(self.model, lanes=lanes)   # the one seam to the sessions
         self.warm = self.engine.warm()
         self.deadline_ms = deadline_ms or self.model.deadline_ms
         self.draining, self.failed = False, None
         self.tally = {"chunks": 0, "deadline_misses": 0, "fallbacks": 0, "lost": 0}
         self.metrics = _Metrics(model, self.tag)
         self.metrics.live.set(0)
-        self._lock = threading.Lock()
-        log.info("replica %s: %s on %s, warm %s", self.tag, model, device, self.warm)
+        self.metrics.draining.set(0)
+        self._lock = threading.Lock()   # the tally
+        self._workers = concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix=f"cadence-fx-{self.tag}")
+        log.info("replica %s: %s on %s, %d lanes, warm %s", self.tag, model, device, lanes,
+                 self.warm)
 
-    def reconfigure(self, config: dict) -> None:
-        self.draining = bool((config or {}).get("draining", False))
-
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         if self.failed:
             raise RuntimeError(f"replica {self.tag} failed ({self.failed}); Serve restarts it and "
                                "its sessions are lost (their clients prime again)")
 
-    def handle(self, token: Optional[str], message: bytes) -> bytes:
+    async def status(self, token: str, draining: Optional[bool] = None) -> Optional[dict]:
+        """This replica's stats, after setting its drain flag when ``draining`` is given; None
+        when ``token`` names another replica (the one it names is gone)."""
+        if replica_of(token) != self.tag:
+            return None
+        if draining is not None:
+            self.draining = bool(draining)
+            self.metrics.draining.set(int(self.draining))
+            log.info("replica %s: draining %s, %d live sessions", self.tag, self.draining,
+                     self.engine.live)
+        return self.stats()
+
+    async def handle(self, token: Optional[str], message: bytes, avoid=()) -> bytes:
+        """One request (``avoid``: replicas the router skips for an open; not read here)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._workers, self._handle, token, message)
+
+    def _handle(self, token: Optional[str], message: bytes) -> bytes:
         try:
             header, tensors = decode(message)
         except ValueError as e:
@@ -91,27 +118,27 @@ class SessionReplica:
         op = header.get("op")
         if op not in OPS:
             return error("bad_request", f"unknown op {op!r}; send one of {', '.join(OPS)}", token)
-        with self._lock:
-            if op == "stats":
-                return encode({"op": "stats", "session": token, "stats": self.stats()})
-            if op == "open":
-                return self._open(header, tensors)
-            sid = self._session(token)
-            if isinstance(sid, bytes):
-                return sid
-            try:
-                return getattr(self, "_" + op)(token, sid, header, tensors)
-            except (ValueError, TypeError, KeyError) as e:   # the request, not the replica
-                return error("bad_request", str(e), token)
-            except Exception as e:  # noqa: BLE001 - the carries may be inconsistent: restart
-                self.failed = f"{type(e).__name__}: {e}"
-                log.exception("replica %s: %s of %s failed", self.tag, op, token)
-                return error("failed", f"the replica failed ({self.failed}) and will restart; "
-                             "open a new session", token)
+        if op == "stats":
+            return encode({"op": "stats", "session": token, "stats": self.stats()})
+        if op == "open":
+            return self._open(header, tensors)
+        sid = self._session(token)
+        if isinstance(sid, bytes):
+            return sid
+        try:
+            return getattr(self, "_" + op)(token, sid, header, tensors)
+        except (ValueError, TypeError, KeyError) as e:   # the request, not the replica
+            return error("bad_request", str(e), token)
+        except Exception as e:  # noqa: BLE001 - the carries may be inconsistent: restart
+            self.failed = f"{type(e).__name__}: {e}"
+            log.exception("replica %s: %s of %s failed", self.tag, op, token)
+            return error("failed", f"the replica failed ({self.failed}) and will restart; "
+                         "open a new session", token)
 
     def stats(self) -> dict:
         return {"replica": self.tag, "actor": self.actor, "model": self.model.name,
                 "live_sessions": self.engine.live, "draining": self.draining,
+                "drained": self.draining and not self.engine.live, "lanes": self.engine.lanes,
                 "deadline_ms": self.deadline_ms, "warm": self.warm,
                 "counters": self.engine.counters(), **self.tally}
 
@@ -119,7 +146,7 @@ class SessionReplica:
     def _open(self, header, tensors) -> bytes:
         if self.draining:
             return error("draining", f"replica {self.tag} is draining and opens no session; "
-                         "open it again once the new deployment is up")
+                         "open again once a replica that does not drain is up", replica=self.tag)
         seed = header.get("seed")
         if seed is not None and not isinstance(seed, int):
             return error("bad_request", f"seed {seed!r} is not an integer; send an int or null")
@@ -148,7 +175,7 @@ class SessionReplica:
             self.engine.close(sid)
             self.metrics.live.set(self.engine.live)
             return error("draining", f"replica {self.tag} is draining: session {token} ended "
-                         "with its turn; open a new session once the new deployment is up", token)
+                         "with its turn; open a new session (on another replica)", token)
         self.engine.reset(sid)
         return encode({"op": "reset", "session": token})
 
@@ -164,7 +191,8 @@ class SessionReplica:
             return error("bad_request", f"session {token!r} is not a session token; send the "
                          "'session' an 'opened' reply gave")
         if owner != self.tag:
-            self.tally["lost"] += 1
+            with self._lock:
+                self.tally["lost"] += 1
             self.metrics.lost.inc()
             return error("session_lost", f"session {token} lived on replica {owner}, which is "
                          f"gone (this is replica {self.tag}), and its state with it; open a new "
@@ -176,6 +204,10 @@ class SessionReplica:
         return int(n)
 
     def _count(self, record) -> None:
+        with self._lock:
+            self._tally(record)
+
+    def _tally(self, record) -> None:
         self.tally["chunks"] += 1
         self.metrics.latency.observe(record.ms)
         if record.ms > self.deadline_ms:
