@@ -17,6 +17,14 @@ warm-up), the fraction of wall time the GPU spends in kernels (profiler) for sto
 best row, and peak memory (``torch.cuda.max_memory_allocated``) with memory per lane and session.
 Moshi batches per lane are not measured here (``moshi_conversations_per_gpu`` is null, with why).
 Rows stop once ``--budget-s`` is spent (recorded under ``skipped``).
+
+Before traffic every lane is prepared: ``capture_catalog`` (the flow's classes and priming class)
+and one throwaway conversation per lane (``sessions.warm_lanes``: HiFT's classes, which read the
+mel in the layout the compiled flow returns it). ``warm`` in the result says per lane what that
+compiled and what ran stock. A class still met first in traffic compiles inside a chunk and holds
+every lane: each row reports ``compiles`` (and ``compile_chunks``: which session, which lane, the
+host ms of that dispatch), which should be 0. Before this, HiFT's two classes compiled inside the
+first chunks of each lane, about 8 s in which every queued chunk missed its deadline.
 """
 from __future__ import annotations
 
@@ -36,8 +44,10 @@ import cadence_fx
 from cadence_fx.models.token2wav import (FlowStep, HiFTStep, build_flow, build_hift,
                                          empty_hift_cache, prompt_call)
 from cadence_fx.scheduler import Scheduler
+from cadence_fx.sessions import warm_lanes
 
 DEVICE = "cuda"
+WARM_CHUNKS = 3   # a conversation's flow classes: 302, 352, then 402 retained frames
 
 
 def _sync():
@@ -79,6 +89,10 @@ class Served:
         self.flow_step, self.ids, self.use = flow_step, {}, lanes
 
     def prepare(self):
+        """The flow's catalog and priming class on every lane (``capture_catalog``), then one
+        throwaway conversation per lane (``warm_lanes``): it compiles what one example cannot
+        make, HiFT's first-chunk and steady classes at the layout of the mel the compiled flow
+        returns. Returns the warm-up per lane (classes compiled, calls left stock)."""
         tokens, mel_p, spk = prompt_call(self.flow_step, device=DEVICE)
         with torch.inference_mode(), torch.autocast(DEVICE, dtype=torch.float32,
                                                     enabled=DEVICE == "cuda"):
@@ -88,8 +102,17 @@ class Served:
                                        state, priming_example=lambda n: ((tokens, spk, None),
                                                                          {"prompt_mel": mel_p}))
 
-    def open(self, speaker):
-        lane = min(self.fpool.lanes[:self.use], key=lambda x: (x.sessions, x.index)).index
+        def conversation(lane):   # prime, then chunks until retention holds (302 -> 402 frames)
+            fid = self.open(10_000 + lane, lane=lane)
+            for i, tok in enumerate([None] + _tokens(10_000 + lane, WARM_CHUNKS)):
+                self.run(fid, "prime" if i == 0 else "chunk", tok)
+            self.close(fid)
+
+        return warm_lanes([self.fpool, self.hpool], conversation)
+
+    def open(self, speaker, lane=None):
+        if lane is None:
+            lane = min(self.fpool.lanes[:self.use], key=lambda x: (x.sessions, x.index)).index
         fid = self.fpool.open(None, seed=1000 + speaker, lane=lane)
         hid = self.hpool.open(empty_hift_cache(DEVICE), seed=1000 + speaker,
                               lane=self.fpool.lane_of(fid))
@@ -123,7 +146,8 @@ class _null:
 
 async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed):
     sched = Scheduler(served.fpool, period_ms=budget_ms, run=served.run,
-                      done=lambda fid: served.hpool.done(served.ids[fid][0]))
+                      done=lambda fid: served.hpool.done(served.ids[fid][0]),
+                      pools=(served.fpool, served.hpool))
     g, results, next_speaker = random.Random(seed), [], [0]
 
     async def conversation():
@@ -165,8 +189,10 @@ def _row(flow, hift, served, lanes, n, args):
             "sessions_bit_exact": sum(exact), "wall_s": time.perf_counter() - t0,
             "max_memory_allocated": torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0,
             "flow_lane_bytes": mem["lane_bytes"], "flow_session_bytes_mean": mem["session_bytes_mean"],
-            "fallbacks": sum(l.compiled.counters.fallbacks for l in served.fpool.lanes),
-            "fallback_reasons": [dict(l.compiled.counters.reasons) for l in served.fpool.lanes]}
+            "fallbacks": sum(l.compiled.counters.fallbacks for p in (served.fpool, served.hpool)
+                             for l in p.lanes),
+            "fallback_reasons": [dict(l.compiled.counters.reasons) for p in
+                                 (served.fpool, served.hpool) for l in p.lanes]}
 
 
 def _priming_ms(fn, repeat):
@@ -300,8 +326,9 @@ def main():
     chift = cadence_fx.compile(hift, "minicpmo-token2wav-hift")
     t = time.perf_counter()
     served = Served(cflow, chift, max(lanes), flow)
-    served.prepare()
+    result["warm"] = served.prepare()
     result["prepare_s"] = time.perf_counter() - t
+    print(json.dumps({"prepare_s": result["prepare_s"], "warm": result["warm"]}), flush=True)
     lane0 = served.fpool.lanes[0]
     with torch.inference_mode(), torch.autocast(DEVICE, dtype=torch.float32, enabled=DEVICE == "cuda"):
         before = cflow.counters.compiled_calls

@@ -38,6 +38,21 @@ class Lane:
         self.calls_seen = compiled.counters.calls
         self.swaps = 0
         self.sessions = 0
+        # classes this lane met for the first time in traffic: (session, its chunk, classes,
+        # seconds the call took, compile included)
+        self.compile_log: List[tuple] = []
+
+    def classes_met(self) -> int:
+        """Classes the lane's step has seen: compiled, left stock, or compiling in the background."""
+        cs = self.compiled
+        return len(cs.classes) + len(cs._rejected) + len(cs.background.pending)
+
+    def note_compiles(self, sid: int, chunk: int, before: int, seconds: float) -> None:
+        """Log the classes a call of session ``sid`` met first (``before``: ``classes_met()``
+        when it started)."""
+        new = self.classes_met() - before
+        if new > 0:
+            self.compile_log.append((sid, chunk, new, seconds))
 
     @contextlib.contextmanager
     def running(self):

@@ -17,7 +17,15 @@ completion seen), and whether the deadline was missed.
 A server (a Ray Serve replica) owns one scheduler per pool and awaits ``submit`` from its request
 handlers; ``run``/``done``/``lane`` replace the pool's step, completion event and lane for a
 chunk that spans several pools (Token2Wav's flow and vocoder, on the same lane); chunks run
-under ``modes()`` (default ``torch.inference_mode``: the modes are part of every class key).
+under ``modes()`` (default ``torch.inference_mode``: the modes are part of every class key);
+``pools`` names every pool such a chunk runs through.
+
+What the loop cannot avoid it reports: a class met for the first time in traffic compiles inside
+the dispatch, on the loop's thread, and every lane waits for it (``compiles`` and ``run_ms`` per
+chunk: prepare such classes before traffic with ``sessions.warm_lanes``). A lane whose step
+compiles a priming class in the background takes no chunk until that is done (a chunk would wait
+for the step's lock inside the loop). A result may be read on any stream right after ``await``
+returns (before awaiting anything else): the lane's next chunk is dispatched after that.
 """
 from __future__ import annotations
 
@@ -42,6 +50,8 @@ class ChunkRecord:
     deadline: float
     dispatched: float = 0.0
     completed: float = 0.0
+    run_ms: float = 0.0     # host time the dispatch took (the loop was blocked that long)
+    compiles: int = 0       # classes met first by this chunk, compiled (or left stock) inline
 
     @property
     def latency_ms(self) -> float:
@@ -70,7 +80,7 @@ class Scheduler:
     def __init__(self, pool, *, period_ms: float = 1000.0, poll_ms: float = 0.2,
                  run: Optional[Callable] = None, done: Optional[Callable] = None,
                  lane: Optional[Callable[[int], int]] = None, clock=time.perf_counter,
-                 modes: Callable = torch.inference_mode):
+                 modes: Callable = torch.inference_mode, pools: Optional[tuple] = None):
         if period_ms <= 0 or poll_ms <= 0:
             raise ValueError(f"period_ms {period_ms} and poll_ms {poll_ms} must be positive: "
                              "a chunk's deadline is its arrival plus the audio it carries")
@@ -79,6 +89,9 @@ class Scheduler:
         self._run = run or pool.step
         self._done = done or pool.done
         self._lane = lane or pool.lane_of
+        # the pools a chunk runs through (``run`` may span several): their compiles are counted
+        # per chunk, and a lane whose step compiles in the background is not dispatched to
+        self.pools = tuple(pools) if pools else (pool,)
         self.clock = clock
         # grad/inference/autocast modes are part of every class key: chunks run under ``modes()``
         # (the loop task does not inherit the submitter's)
@@ -129,15 +142,23 @@ class Scheduler:
             self._task = None
 
     def report(self) -> dict:
-        """Per-chunk latency and queueing p50/p99 (ms), deadline misses, chunks per lane."""
+        """Per-chunk latency and queueing p50/p99 (ms), deadline misses, chunks per lane; the
+        host time dispatches blocked the loop (``run_ms``) and the classes compiled during the
+        run (``compiles``: each blocks every lane for its compile; prepare them before traffic,
+        ``sessions.warm_lanes``), with the chunks that met them."""
         rs = self.records
         lat = sorted(r.latency_ms for r in rs)
         queued = sorted(r.queued_ms for r in rs)
+        run = sorted(r.run_ms for r in rs)
         lanes = collections.Counter(r.lane for r in rs)
         return {"chunks": len(rs), "latency_p50_ms": _pct(lat, 0.5),
                 "latency_p99_ms": _pct(lat, 0.99), "latency_max_ms": lat[-1] if lat else None,
                 "queued_p50_ms": _pct(queued, 0.5), "queued_p99_ms": _pct(queued, 0.99),
+                "run_ms_p99": _pct(run, 0.99), "run_ms_max": run[-1] if run else None,
                 "deadline_misses": sum(r.missed for r in rs),
+                "compiles": sum(r.compiles for r in rs),
+                "compile_chunks": [{"sid": r.sid, "lane": r.lane, "compiles": r.compiles,
+                                    "run_ms": round(r.run_ms, 1)} for r in rs if r.compiles],
                 "chunks_per_lane": dict(sorted(lanes.items()))}
 
     # -- the loop ------------------------------------------------------------------------------
@@ -148,18 +169,25 @@ class Scheduler:
 
     async def _loop(self) -> None:
         while True:
-            self._complete()
+            if self._complete():
+                # the awaiting coroutines run first: what they queue on the current stream right
+                # after ``await`` (reading a result) comes before the lanes' next chunks, which
+                # wait for that stream (``Lane.running``) -- so a result may be read on any
+                # stream, even a view of a carry the lane's next chunk writes
+                await asyncio.sleep(0)
             self._dispatch()
             if self._in_flight:
                 await asyncio.sleep(self.poll_s)   # poll the lanes' events
             elif not any(self._queues.values()):
                 self._wake.clear()
                 await self._wake.wait()
-            else:
-                await asyncio.sleep(0)
+            else:   # queued chunks whose lanes compile in the background
+                await asyncio.sleep(self.poll_s)
 
-    def _complete(self) -> None:
-        """Resolve the chunks whose lane event has completed (``query``, never a sync)."""
+    def _complete(self) -> bool:
+        """Resolve the chunks whose lane event has completed (``query``, never a sync);
+        whether any was."""
+        resolved = False
         for lane, (chunk, event, out) in list(self._in_flight.items()):
             if event is not None and not event.query():
                 continue
@@ -168,10 +196,20 @@ class Scheduler:
             self.records.append(chunk.record)
             if not chunk.future.done():
                 chunk.future.set_result(out)
+                resolved = True
+        return resolved
+
+    def _blocked(self) -> set:
+        """Lanes that may not take a chunk now: one in flight, or a priming class compiling in
+        the background on the lane's step (the chunk would block the loop on its lock)."""
+        busy = set(self._in_flight)
+        for p in self.pools:
+            busy.update(i for i in range(len(p.lanes)) if p.compiling(i))
+        return busy
 
     def _dispatch(self) -> None:
         """Earliest deadline first among each session's oldest chunk, one chunk per idle lane."""
-        busy = set(self._in_flight)
+        busy = self._blocked()
         heads = [(q[0].record.deadline, next(self._order), sid) for sid, q in self._queues.items()
                  if q and q[0].record.lane not in busy]
         heapq.heapify(heads)
@@ -182,6 +220,7 @@ class Scheduler:
                 continue
             self._queues[sid].popleft()
             chunk.record.dispatched = self.clock()
+            met = sum(p.compiles for p in self.pools)
             try:
                 with self.modes():
                     out = self._run(sid, *chunk.args, **chunk.kwargs)
@@ -189,6 +228,9 @@ class Scheduler:
                 chunk.record.completed = self.clock()
                 chunk.future.set_exception(e)
                 continue
+            finally:
+                chunk.record.run_ms = (self.clock() - chunk.record.dispatched) * 1e3
+                chunk.record.compiles = sum(p.compiles for p in self.pools) - met
             self._in_flight[chunk.record.lane] = (chunk, self._done(sid), out)
             busy.add(chunk.record.lane)
 

@@ -27,8 +27,13 @@ stream; ``pool.done(sid)`` gives an event to poll (``cadence_fx.scheduler`` does
 """
 from __future__ import annotations
 
+import collections
+import contextlib
+import copy
+import dataclasses
 import itertools
-from typing import Any, Dict, List, Optional, Tuple
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -36,7 +41,7 @@ import torch.utils._pytree as pytree
 from .errors import ContractError, GuardError
 from .lanes import Lane, make_lanes
 
-__all__ = ["SessionPool"]
+__all__ = ["SessionPool", "warm_lanes"]
 
 
 def _locate(tree: Any, path: str) -> Optional[Tuple[Any, Any]]:
@@ -162,10 +167,12 @@ class SessionPool:
         kwargs[self.state_arg] = session.state
         compiled = lane.compiled
         compiled_before = compiled.counters.compiled_calls
+        met, start = lane.classes_met(), time.perf_counter()
         with lane.running():
             if lane.resident is not None and lane.resident != sid:
                 self._save(self._sessions[lane.resident])
             result = self._call(session, args, kwargs)
+        lane.note_compiles(sid, session.chunks, met, time.perf_counter() - start)
         session.chunks += 1
         lane.calls_seen = compiled.counters.calls
         if compiled.counters.compiled_calls > compiled_before:
@@ -216,6 +223,17 @@ class SessionPool:
 
     def lane_of(self, sid: int) -> int:
         return self._get(sid).lane.index
+
+    @property
+    def compiles(self) -> int:
+        """Classes met for the first time during traffic (compiled or left stock), all lanes:
+        each one held its lane's chunk for the compile. ``lane.compile_log`` says which chunk."""
+        return sum(len(lane.compile_log) for lane in self.lanes)
+
+    def compiling(self, lane: int) -> bool:
+        """Whether a priming class of lane ``lane`` compiles in a background thread: it holds
+        the lane's step, so a chunk dispatched to that lane now would wait for it."""
+        return bool(self.lanes[lane].compiled.background.pending)
 
     def capture_catalog(self, *args, **kwargs) -> list:
         """``capture_catalog`` on every lane (each on its stream), from one example call of the
@@ -321,3 +339,51 @@ class SessionPool:
             container[key] = view
         session.state = root[self.state_arg]   # the state itself may be the region's tensor
         session.lane.swaps += 1
+
+
+def warm_lanes(pools: Sequence[SessionPool], stream: Callable[[int], None], *,
+               modes: Callable = torch.inference_mode) -> List[dict]:
+    """Before traffic, run one throwaway conversation on every lane, so that every class a
+    stream reaches is compiled there, not in the middle of a live chunk: ``capture_catalog``
+    prepares the catalog's classes from one example, but classes whose inputs come from another
+    step's output (Token2Wav's vocoder reads the flow's mel, in the layout the flow returns
+    it), first chunks of a turn and partial flushes are only known exactly by running them.
+
+    ``stream(lane)`` opens its sessions on lane ``lane`` of each pool (``open(..., lane=lane)``),
+    sends its chunks through ``pool.step`` and closes them; it runs under ``modes()`` (the
+    scheduler's), with priming classes compiled inline (not in background threads). Like
+    ``prepare`` this is not traffic: the steps' counters are left as they were. Returns per
+    lane: ``compiled`` (classes compiled now, all pools), ``stock`` (the reasons of calls that
+    ran the stock step: classes that cannot be prepared), ``seconds``."""
+    n = len(pools[0].lanes)
+    if any(len(p.lanes) != n for p in pools):
+        raise ValueError(f"pools with {[len(p.lanes) for p in pools]} lanes: a stream spanning "
+                         "several pools runs on the same lane of each; give them one lane count")
+    out = []
+    for i in range(n):
+        steps = [p.lanes[i].compiled for p in pools]
+        kept = [copy.deepcopy(cs.counters) for cs in steps]
+        met = [set(cs.classes) for cs in steps]
+        logs = [len(p.lanes[i].compile_log) for p in pools]
+        start = time.perf_counter()
+        try:
+            with contextlib.ExitStack() as stack:
+                for cs in steps:
+                    stack.enter_context(cs.background.inline())
+                stack.enter_context(modes())
+                stream(i)
+            if pools[0].lanes[i].stream is not None:
+                torch.cuda.synchronize()
+            stock = collections.Counter()
+            for cs, k in zip(steps, kept):
+                stock.update(cs.counters.reasons - k.reasons)
+            out.append({"lane": i, "compiled": sum(len(set(cs.classes) - m) for cs, m in
+                                                   zip(steps, met)),
+                        "stock": dict(stock), "seconds": time.perf_counter() - start})
+        finally:
+            for p, cs, k, logged in zip(pools, steps, kept, logs):   # warming is not traffic
+                for f in dataclasses.fields(k):
+                    setattr(cs.counters, f.name, getattr(k, f.name))
+                p.lanes[i].calls_seen = k.calls
+                del p.lanes[i].compile_log[logged:]
+    return out

@@ -5,16 +5,23 @@ own carries and graphs, so a session's outputs, priming passes and turn resets i
 bit-exact against the session run alone through stock whatever ran on any lane; a lane whose
 captures fail runs its pieces eagerly while the other lanes replay; the scheduler serves a
 bounded random workload (Poisson arrivals, random conversation lengths) with every session
-checked against itself alone. The CUDA tests (skipped on the CPU) replay lanes concurrently."""
+checked against itself alone; the scheduler counts the classes compiled during traffic, which
+``warm_lanes`` prepares beforehand (a partial flush here), and dispatches nothing to a lane whose
+step compiles a priming class in the background while the other lanes go on. The CUDA test
+(skipped on the CPU) replays lanes concurrently and names every output that differs."""
 import asyncio
 import dataclasses
+import os
 import random
+import threading
+import time
 
 import pytest
 import torch
 
 import cadence_fx
 from cadence_fx.scheduler import Scheduler
+from cadence_fx.sessions import warm_lanes
 from replay_stand_in import StandInBackend
 from streaming_decoder import CALL, CHUNK, DECODER_ADAPTER, PROMPT, chunks, make_decoder, prompt
 
@@ -68,11 +75,58 @@ def _interleave(pool, scripts, order_seed=0):
             op, x = scripts[i][pos[i]]
             if op == "prime" and pos[i] > 0:
                 pool.reset(sids[i], None)
-            outs[i].append(pool.step(sids[i], x)[0].clone())
+            outs[i].append(_read(pool, sids[i], pool.step(sids[i], x)[0]))
             pos[i] += 1
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     return sids, [[o.cpu() for o in out] for out in outs]
+
+
+def _read(pool, sid, t):
+    """A chunk's result, cloned on the session's lane stream: on CUDA ``pool.step`` returns
+    once the chunk is queued there, so a read on the caller's stream could come before it."""
+    stream = pool.lanes[pool.lane_of(sid)].stream
+    if stream is None:
+        return t.clone()
+    with torch.cuda.stream(stream):
+        return t.clone()
+
+
+def _mismatches(lanes, scripts, outs, model, label):
+    """Every output that differs from the session alone through stock: which session, chunk,
+    call, lane, shape, max |diff| and how many elements differ (empty when all are exact)."""
+    found = []
+    for i, (script, out) in enumerate(zip(scripts, outs)):
+        want, lane = _alone(model, script), lanes[i]
+        if len(out) != len(want):
+            found.append(f"{label}: session {i} (lane {lane}) gave {len(out)} outputs, "
+                         f"stock {len(want)}")
+        for j, (a, b) in enumerate(zip(out, want)):
+            if a.shape != b.shape or not torch.equal(a, b):
+                diff = ((a.double() - b.double()).abs() if a.shape == b.shape else None)
+                found.append(
+                    f"{label}: session {i} (lane {lane}) chunk {j} ({script[j][0]}, width "
+                    f"{script[j][1].shape[1]}): shape {tuple(a.shape)} vs {tuple(b.shape)}"
+                    + ("" if diff is None else f", max |diff| {diff.max().item():.3e}, "
+                       f"{int((diff > 0).sum())} of {diff.numel()} elements differ"))
+    return found
+
+
+def _lanes_report(pool) -> str:
+    """What a failure on the device needs besides the diffs: streams, counters, settings."""
+    lines = [f"torch {torch.__version__}, CUBLAS_WORKSPACE_CONFIG="
+             f"{os.environ.get('CUBLAS_WORKSPACE_CONFIG')!r}, deterministic "
+             f"{torch.are_deterministic_algorithms_enabled()}"]
+    for lane in pool.lanes:
+        k, backend = lane.compiled.counters, lane.compiled.backend
+        side = getattr(backend, "_side", None)
+        lines.append(
+            f"lane {lane.index}: stream {getattr(lane.stream, 'cuda_stream', None)}, capture "
+            f"stream {getattr(side, 'cuda_stream', None)}, pool {getattr(backend, 'pool', None)}, "
+            f"graphs {getattr(backend, 'captured', 0)}, calls {k.calls}, replays {k.replays}, "
+            f"eager pieces {k.eager_pieces}, fallbacks {k.fallbacks} {dict(k.reasons)}, "
+            f"compiles in traffic {lane.compile_log}")
+    return "\n".join(lines)
 
 
 @pytest.fixture(scope="module")
@@ -131,14 +185,16 @@ def test_bad_lane_counts_and_placements_are_refused(model):
         pool.open(None, lane=2)
 
 
-async def _serve(pool, scripts, seed):
-    """Poisson arrivals; each conversation submits its calls one after the other."""
+async def _serve(pool, scripts, seed, lanes=False):
+    """Poisson arrivals; each conversation submits its calls one after the other. Returns the
+    report and outputs (and with ``lanes`` each conversation's lane)."""
     sched = Scheduler(pool, period_ms=5000.0, poll_ms=0.1)
     g = random.Random(seed)
-    outs = [[] for _ in scripts]
+    outs, homes = [[] for _ in scripts], [None] * len(scripts)
 
     async def conversation(i):
         sid = sched.open(None)
+        homes[i] = pool.lane_of(sid)
         for j, (op, x) in enumerate(scripts[i]):
             if op == "prime" and j > 0:
                 pool.reset(sid, None)
@@ -153,7 +209,7 @@ async def _serve(pool, scripts, seed):
         tasks.append(asyncio.create_task(conversation(i)))
     await asyncio.gather(*tasks)
     await sched.stop()
-    return sched.report(), outs
+    return (sched.report(), outs, homes) if lanes else (sched.report(), outs)
 
 
 def test_scheduler_serves_a_random_workload_exactly(model):
@@ -169,14 +225,87 @@ def test_scheduler_serves_a_random_workload_exactly(model):
     assert sum(lane.compiled.counters.fallbacks for lane in pool.lanes) == 0
 
 
+def _flush_script(seed):
+    """A conversation ending in a 5-frame partial flush: a class no catalog example makes."""
+    return _script(seed, 3) + [("chunk", chunks([5], seed=2000 + seed)[0].to(DEVICE))]
+
+
+def test_the_scheduler_counts_classes_compiled_in_traffic_and_warm_lanes_prepares_them(model):
+    scripts = [_flush_script(60 + s) for s in range(4)]
+    cold = _pool(model, lanes=2)
+    report, outs = asyncio.run(_serve(cold, scripts, seed=5))
+    assert not _mismatches([0] * 4, scripts, [[o.cpu() for o in out] for out in outs], model, "cold")
+    assert report["compiles"] == 2 == cold.compiles   # the flush's class, once on each lane
+    assert sorted(c["lane"] for c in report["compile_chunks"]) == [0, 1]
+
+    warm = _pool(model, lanes=2)
+
+    def stream(lane):
+        sid = warm.open(None, lane=lane)
+        for _, x in _flush_script(99):
+            warm.step(sid, x)
+        warm.close(sid)
+
+    warmed = warm_lanes([warm], stream)
+    assert [(w["lane"], w["compiled"], w["stock"]) for w in warmed] == [(0, 1, {}), (1, 1, {})]
+    assert all(lane.compiled.counters.calls == 0 for lane in warm.lanes)   # not traffic
+    report, outs = asyncio.run(_serve(warm, scripts, seed=5))
+    assert not _mismatches([0] * 4, scripts, [[o.cpu() for o in out] for out in outs], model, "warm")
+    assert report["compiles"] == 0 == warm.compiles and report["compile_chunks"] == []
+    assert sum(lane.compiled.counters.fallbacks for lane in warm.lanes) == 0
+
+
+def test_a_lane_compiling_in_the_background_takes_no_chunk_and_holds_no_other(model, monkeypatch):
+    """Lane 0's priming class is not prepared: its first priming runs stock while the class
+    compiles in a background thread holding lane 0's step (slowed here to 4 s). The scheduler
+    dispatches nothing to lane 0 until it is done, and lane 1's session goes on meanwhile."""
+    import cadence_fx.prepare as prepare
+    pool = _pool(model, lanes=2)
+    first = pool.lanes[0].compiled
+    for key in [k for k in first.classes if all(e is None for e in k[0][0])]:
+        del first.classes[key]
+    real = prepare.prepare
+
+    def slow(*args, **kwargs):
+        if threading.current_thread().name.startswith("cadence-prime"):
+            time.sleep(4.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prepare, "prepare", slow)
+    scripts = [_script(70, 2), _script(71, 3)]
+
+    async def serve():
+        sched = Scheduler(pool, period_ms=60_000.0, poll_ms=0.5)
+        sids = [sched.open(None, lane=0), sched.open(None, lane=1)]
+        outs = [[], []]
+
+        async def conversation(i):
+            for _, x in scripts[i]:
+                outs[i].append((await sched.submit(sids[i], x))[0].cpu())
+
+        await asyncio.gather(conversation(0), conversation(1))
+        await sched.stop()
+        return sched, sids, outs
+
+    sched, sids, outs = asyncio.run(serve())
+    assert not _mismatches([0, 1], scripts, outs, model, "background")
+    a, b = ([r for r in sched.records if r.sid == s] for s in sids)
+    assert a[1].dispatched > b[-1].completed, "lane 1 waited for lane 0's background compile"
+    assert first.counters.background_compiles == 1 and sched.report()["compiles"] == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="concurrent replays need CUDA")
 def test_concurrent_lane_replays_are_bit_exact_on_cuda(model):
+    """Four lanes replaying at once, driven directly (results read on each lane's stream) and by
+    the scheduler (results read on the default stream right after ``await``); a failure lists
+    every output that differs, with its session, chunk, lane and max |diff|, and the lanes'
+    streams, counters and cuBLAS settings."""
     pool = _pool(model, lanes=4)
     scripts = [_script(40 + s, 6, reset_at=3) for s in range(12)]
-    _, outs = _interleave(pool, scripts, order_seed=11)
-    for script, out in zip(scripts, outs):
-        assert _exact(out, _alone(model, script))
-    assert all(lane.compiled.counters.replays > 0 for lane in pool.lanes)
-    report, outs = asyncio.run(_serve(pool, scripts, seed=12))
-    for script, out in zip(scripts, outs):
-        assert _exact([o.cpu() for o in out], _alone(model, script))
+    sids, outs = _interleave(pool, scripts, order_seed=11)
+    bad = _mismatches([pool.lane_of(s) for s in sids], scripts, outs, model, "interleaved")
+    assert not bad, "\n".join(bad + [_lanes_report(pool)])
+    assert all(lane.compiled.counters.replays > 0 for lane in pool.lanes), _lanes_report(pool)
+    report, outs, lanes = asyncio.run(_serve(pool, scripts, seed=12, lanes=True))
+    bad = _mismatches(lanes, scripts, [[o.cpu() for o in out] for out in outs], model, "scheduled")
+    assert not bad, "\n".join(bad + [_lanes_report(pool), str(report)])
