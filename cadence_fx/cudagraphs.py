@@ -166,10 +166,19 @@ class CudaGraphBackend:
             current.wait_stream(side)
 
     def _capture(self, piece, static):
-        """Record the piece into the shared pool; nothing runs, so nothing is written."""
+        """Record the piece into the shared pool; nothing runs, so nothing is written.
+
+        ``thread_local``: the capture forbids unsafe CUDA calls (an allocation, a sync) in the
+        capturing thread only. Under the default ``global`` mode a priming class captured in a
+        background thread would make the serving thread's own calls fail while it captures
+        (``cudaEventQuery`` of the scheduler's poll, an allocation of another lane's chunk), and
+        a capture in the serving thread would fail a background compile's. Other threads never
+        work on this stream, so nothing of theirs can enter the graph (Inductor's CUDA graph
+        trees capture the same way)."""
         graph, rng = torch.cuda.CUDAGraph(), RngSnapshot()
         try:
-            with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, stream=self._stream()):
+            with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, stream=self._stream(),
+                                                   capture_error_mode="thread_local"):
                 outs = piece.module(*static)
         except BaseException:
             torch.cuda.synchronize()

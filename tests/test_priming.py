@@ -157,3 +157,32 @@ def test_token2wav_flow_priming_is_a_compiled_class():
     for k, v in stock.items():   # the carry holds the declared rows; stock's others stay zero
         cut = tuple(slice(0, s) for s in ours[k].shape)
         assert torch.equal(v[cut], ours[k]) and v.count_nonzero() == v[cut].count_nonzero(), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device graphs captured in a thread need CUDA")
+def test_a_background_capture_lets_the_serving_thread_use_the_device():
+    """The priming class compiles and captures its CUDA graphs in a background thread while the
+    serving thread keeps allocating and polling events (what the scheduler does). Captures are
+    thread-local: neither thread's CUDA calls fail the other's, and the class then replays,
+    bit-exact with stock."""
+    model = make_decoder().cuda()
+    cs = cadence_fx.compile(model, ADAPTER)
+    x = _prompt(PROMPT, 0).cuda()
+    with torch.inference_mode():
+        ref, _ = model(x, None)
+        first, _ = cs(x, None)          # stock, while the class compiles in the background
+        polls = 0
+        while cs.background.pending:
+            blocks = [torch.empty((k + 1) << 20, dtype=torch.uint8, device="cuda") for k in range(8)]
+            event = torch.cuda.Event()
+            event.record()
+            event.query()
+            del blocks
+            polls += 1
+        assert cs.wait_background(300)
+        again, _ = cs(x, None)
+    torch.cuda.synchronize()
+    k = cs.counters
+    assert not cs.background.failures, cs.background.failures
+    assert k.background_compiles == 1 and k.replays > 0 and polls > 0, k.as_dict()
+    assert torch.equal(first, ref) and torch.equal(again, ref)
