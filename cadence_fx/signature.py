@@ -8,6 +8,17 @@ __all__ = ["tensor_signature", "global_signature"]
 
 
 def tensor_signature(t: torch.Tensor) -> tuple:
+    # Strides of size-1 dims stay in the key, although they address no other element
+    # (``x[:, :12].contiguous()`` is ``x[:, :12]`` itself, with dim 0's stride of the uncut
+    # tensor, so it keys another class than a fresh tensor of the same shape). Merging them would
+    # be exact only if no kernel a class runs, compiled or stock, read those strides: the trace
+    # bakes the caller's strides into every view and ``empty_like`` it records, and kernels
+    # receive strides as launch arguments (a BLAS leading dimension, an attention backend's
+    # alignment checks, a custom op's own indexing), where one library may pick another
+    # algorithm for them. torch normalises some of these (cuDNN descriptors, cuBLAS leading
+    # dimensions of size-1 matrices), not all, and nothing here can enumerate them, so one class
+    # per layout is what keeps every call exact against stock; a caller that wants one class
+    # passes ``t.clone(memory_format=torch.contiguous_format)``.
     return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.storage_offset())
 
 
