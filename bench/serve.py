@@ -1,12 +1,14 @@
 """Token2Wav sessions through Ray Serve on the GPU against the same session pool in-process.
 
     python bench/serve.py --out bench/results/DATE-h200-serve.json [--ns 4,8,10,12,14]
-        [--rounds 6] [--gpus 1|2] [--cache-dir DIR]
+        [--rounds 6] [--gpus 1|2] [--lanes L] [--cache-dir DIR]
 
 Both paths serve N Token2Wav sessions (flow + HiFT, the real configuration on CUDA, every session
 its own seed) round-robin, one chunk each per round: in-process through ``PoolEngine`` (the
-replica's own engine), and through the application (``build_app``, one replica per GPU) over
-the WebSocket on loopback, one client thread per replica taking its sessions in turn. N is
+replica's own engine, ``--lanes`` lanes: one thread per lane takes that lane's sessions in turn,
+so lanes overlap as in a replica), and through the application (``build_app``, one replica per
+GPU, ``--lanes`` lanes each) over the WebSocket on loopback, ``--lanes`` client threads per
+replica each taking a share of its sessions in turn. N is
 real-time when every round, the slowest included, ends within ``--budget-ms`` (900 ms of the
 1 s a chunk carries). Per N and path: chunk p50/p99 (the client's round trip through Ray), the
 slowest round, real-time or not. Per row ``all_bit_exact``: every chunk of every session served
@@ -46,49 +48,61 @@ def summary(chunk_ms, round_ms, n):
             "realtime": max(round_ms) <= BUDGET_MS}
 
 
-def inprocess(engine, model, n, rounds):
-    """N sessions round-robin on the engine; per-chunk ms (synchronised) and every output."""
-    ids = [engine.open(seed=1000 + s) for s in range(n)]
-    outs, chunk_ms, round_ms = [[] for _ in range(n)], [], []
-    for r in range(rounds):
-        t0 = time.perf_counter()
-        for s, sid in enumerate(ids):
+def rounds_of(groups, rounds, chunk):
+    """``rounds`` rounds: in each, one thread per group sends one chunk of each of its
+    sessions in turn (``chunk(member, round)``); returns each chunk's ms and each round's ms
+    (the slowest group's)."""
+    chunk_ms, round_ms = [], []
+
+    def group(members, r):
+        for member in members:
             start = time.perf_counter()
-            out, _ = engine.chunk(sid, model.example(1000 + s, r), last=r == rounds - 1)
-            torch.cuda.synchronize()
+            chunk(member, r)
             chunk_ms.append((time.perf_counter() - start) * 1e3)
-            outs[s].append(out)
-        round_ms.append((time.perf_counter() - t0) * 1e3)
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(groups))) as pool:
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            list(pool.map(lambda m: group(m, r), groups))
+            round_ms.append((time.perf_counter() - t0) * 1e3)
+    return chunk_ms, round_ms
+
+
+def inprocess(engine, model, n, rounds):
+    """N sessions on the engine, one thread per lane; per-chunk ms (a chunk returns once its
+    outputs are on the host) and every output."""
+    ids = [engine.open(seed=1000 + s) for s in range(n)]
+    outs = [[] for _ in range(n)]
+    groups = [[(s, sid) for s, sid in enumerate(ids) if engine.lane_of(sid) == lane]
+              for lane in range(engine.lanes)]
+
+    def chunk(member, r):
+        s, sid = member
+        outs[s].append(engine.chunk(sid, model.example(1000 + s, r), last=r == rounds - 1)[0])
+
+    chunk_ms, round_ms = rounds_of([g for g in groups if g], rounds, chunk)
     for sid in ids:
         engine.close(sid)
     return summary(chunk_ms, round_ms, n), outs
 
 
-def through_ray(url, model, n, rounds):
-    """N sessions over the WebSocket, one client thread per replica, each round-robin over its
-    sessions; round time is the slowest thread's."""
+def through_ray(url, model, n, rounds, lanes):
+    """N sessions over the WebSocket, ``lanes`` client threads per replica, each round-robin
+    over its share of the replica's sessions; round time is the slowest thread's."""
     from cadence_fx.serve import StreamClient
-    clients = {}
-    sessions = []
+    by_replica, sessions = {}, []
     for s in range(n):
-        probe = StreamClient(url)
-        sess = probe.open(seed=1000 + s)
-        clients.setdefault(sess.replica, []).append((s, sess))
+        sess = StreamClient(url).open(seed=1000 + s)
+        by_replica.setdefault(sess.replica, []).append((s, sess))
         sessions.append(sess)
+    groups = [members[i::lanes] for members in by_replica.values() for i in range(lanes)]
     outs = [[] for _ in range(n)]
-    chunk_ms, round_ms = [], []
 
-    def group(members, r):
-        for s, sess in members:
-            start = time.perf_counter()
-            outs[s].append(sess.chunk(last=r == rounds - 1, **model.example(1000 + s, r)))
-            chunk_ms.append((time.perf_counter() - start) * 1e3)
+    def chunk(member, r):
+        s, sess = member
+        outs[s].append(sess.chunk(last=r == rounds - 1, **model.example(1000 + s, r)))
 
-    with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
-        for r in range(rounds):
-            t0 = time.perf_counter()
-            list(pool.map(lambda m: group(m, r), clients.values()))
-            round_ms.append((time.perf_counter() - t0) * 1e3)
+    chunk_ms, round_ms = rounds_of([g for g in groups if g], rounds, chunk)
     for sess in sessions:
         sess.close()
         sess.client.close()
@@ -100,14 +114,14 @@ def exact(a, b):
                for sa, sb in zip(a, b) for x, y in zip(sa, sb))
 
 
-def start_ray(gpus, cache_dir, port):
+def start_ray(gpus, cache_dir, port, lanes):
     import ray
     from ray import serve
     from cadence_fx.serve import build_app
     ray.init(num_gpus=gpus, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app("token2wav", gpus, cache_dir=cache_dir, num_gpus=1), name="bench",
-              route_prefix="/")
+    serve.run(build_app("token2wav", gpus, cache_dir=cache_dir, num_gpus=1, lanes=lanes),
+              name="bench", route_prefix="/")
     return f"ws://127.0.0.1:{port}/v1/stream"
 
 
@@ -121,26 +135,30 @@ def main():
     ap.add_argument("--ns", default="4,8,10,12,14")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--gpus", type=int, default=1, choices=[1, 2])
+    ap.add_argument("--lanes", type=int, default=1,
+                    help="lanes per pool, in-process and in each replica (default 1)")
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args()
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="cfx-serve-")
     model = build("token2wav", "cuda", cache_dir)
-    engine = PoolEngine(model)
+    engine = PoolEngine(model, lanes=args.lanes)
     warm = engine.warm()          # fills the cache the replicas start from
     ns = [int(n) for n in args.ns.split(",")]
-    url = start_ray(args.gpus, cache_dir, args.port)
+    url = start_ray(args.gpus, cache_dir, args.port, args.lanes)
     rows = []
     for n in ns:
         local, local_outs = inprocess(engine, model, n, args.rounds)
-        remote, remote_outs = through_ray(url, model, n, args.rounds)
+        remote, remote_outs = through_ray(url, model, n, args.rounds, args.lanes)
         rows.append({"sessions": n, "inprocess": local, "ray": remote, "gpus": args.gpus,
+                     "lanes": args.lanes,
                      "all_bit_exact": exact(local_outs, remote_outs)})
         print(json.dumps(rows[-1]), flush=True)
     best_local, best_ray = largest(rows, "inprocess"), largest(rows, "ray")
     at = next((r for r in rows if r["sessions"] == best_local), rows[0])
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "commit": os.environ.get("CADENCE_COMMIT", "unknown"), "gpus": args.gpus,
+              "lanes": args.lanes,
               "rounds": args.rounds, "budget_ms": BUDGET_MS, "warm": warm, "rows": rows,
               "inprocess_realtime_sessions": best_local, "ray_realtime_sessions": best_ray,
               "ray_vs_inprocess_sessions": best_ray / best_local if best_local else None,
