@@ -6,8 +6,9 @@ The replica calls only ``open``, ``chunk``, ``reset``, ``close``, ``live``, ``wa
 step ran stock), which is all the replica's metrics read.
 
 Threads. Every method may be called from several threads at once (the replica runs each request
-in a worker thread). One lock covers what touches the pools: a chunk's steps are queued, and
-its outputs' copies to the host are queued behind them, with that lock held. A session lives on
+in a worker thread). One lock covers all device work: a session's start state, a chunk's steps
+and its outputs' copies to the host are queued with that lock held (so no other thread launches
+work while a lane captures a graph). A session lives on
 one lane of every pool (the lane with the fewest sessions when it opens), and a lane runs one
 chunk at a time: a chunk waits for the previous chunk of its lane to be done before it is
 queued, so a chunk's tensors are never reused by the next one while the device still reads
@@ -60,8 +61,8 @@ class PoolEngine:
     def open(self, prompt: Optional[Tensors] = None, seed: Optional[int] = None,
              lane: Optional[int] = None) -> int:
         """A new session on ``lane`` (default: the lane with the fewest sessions)."""
-        states = self.model.start(prompt or {})
-        with self._lock:
+        with self._lock:   # the start state is device work too: one thread at a time
+            states = self.model.start(prompt or {})
             if lane is None:
                 lane = min(self._first.lanes, key=lambda x: (x.sessions, x.index)).index
             sid, self._next = self._next, self._next + 1
@@ -73,11 +74,9 @@ class PoolEngine:
     def reset(self, sid: int) -> None:
         """Turn boundary: the session starts again from its prompt."""
         with self._lock:
-            self._get(sid)
-            prompt = self._prompts[sid]
-        states = self.model.start(prompt)
-        with self._lock:
-            for n, pid in self._get(sid).items():
+            ids = self._get(sid)
+            states = self.model.start(self._prompts[sid])
+            for n, pid in ids.items():
                 self.pools[n].reset(pid, states[n])
 
     def close(self, sid: int) -> None:
@@ -111,7 +110,7 @@ class PoolEngine:
             return self.pools[name].step(ids[name], *args, **kwargs)
 
         on_lane = contextlib.nullcontext()
-        if streams[0] is not None:   # after what this thread queued (the session's start state)
+        if streams[0] is not None:   # after the default stream's work (sessions' start states)
             streams[0].wait_stream(torch.cuda.current_stream())
             on_lane = torch.cuda.stream(streams[0])
         with torch.inference_mode(), on_lane:
