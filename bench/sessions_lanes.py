@@ -13,9 +13,11 @@ deadline is its arrival + ``--budget-ms``. A row is real-time when no chunk miss
 Every session's mel and PCM are compared (``torch.equal``) with the same speaker run alone through
 stock. The stock baseline (one stream, sessions in turn) runs in the same process first. Also:
 the priming pass p50 (stock ``setup_cache`` and the compiled priming class, CUDA events after
-warm-up), the fraction of wall time the GPU spends in kernels (profiler) for stock and for the
+warm-up) with each one's kernel time and launches (``*priming_kernels``: the compiled class is one
+device graph, nothing eager, so its p50 over its kernel time says what is left to gain), the fraction of wall time the GPU spends in kernels (profiler) for stock and for the
 best row, and peak memory (``torch.cuda.max_memory_allocated``) with memory per lane and session.
-Moshi batches per lane are not measured here (``moshi_conversations_per_gpu`` is null, with why).
+Moshi batches per lane are measured by ``bench/moshi_lanes.py`` (``moshi_conversations_per_gpu`` is
+null here).
 Rows stop once ``--budget-s`` is spent (recorded under ``skipped``).
 
 Before traffic every lane is prepared: ``capture_catalog`` (the flow's classes and priming class)
@@ -230,6 +232,24 @@ def _kernel_fraction(fn):
     return kernel_us / wall_us
 
 
+def _kernels(fn):
+    """GPU work of one call of ``fn`` (profiler, after it ran once): kernel ms and launches.
+    For the priming pass: whether its time is kernels (a floor the graph cannot lower) or gaps."""
+    if DEVICE != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    return {"kernel_ms": sum(e.self_device_time_total for e in events) / 1e3,
+            "launches": sum(e.count for e in events),
+            "top": [(e.key[:60], round(e.self_device_time_total / 1e3, 2), e.count) for e in
+                    sorted(events, key=lambda e: -e.self_device_time_total)[:8]]}
+
+
 def _stock_rows(flow, hift, ns, rounds, budget_ms):
     """Stock: N sessions in turn on one stream (bench/sessions.py's serve_stock)."""
     if DEVICE != "cuda":   # serve_stock times with CUDA events: a CPU run checks the rest
@@ -269,6 +289,18 @@ def _lane_rows(result, served, flow, hift, lanes, args, start, save):
         served.use = best["lanes"]
         result["cadence_kernel_fraction"] = _kernel_fraction(lambda: asyncio.run(_churn(
             served, best["sessions"], 1.0, args.gap_ms, args.budget_ms, args.period_ms / 1e3, 99)))
+
+
+def _compiled_priming(result, lane0, prime):
+    """The compiled priming class timed and profiled on lane 0's step, outside the pool."""
+    cflow = lane0.compiled
+    with torch.inference_mode(), torch.autocast(DEVICE, dtype=torch.float32, enabled=DEVICE == "cuda"):
+        before = cflow.counters.compiled_calls
+        result["priming_p50_ms"] = _priming_ms(prime, 5)
+        result["priming_compiled"] = cflow.counters.compiled_calls - before == 7
+        result["priming_kernels"] = _kernels(prime)
+    lane0.calls_seen = cflow.counters.calls   # the priming timing ran outside the pool
+    lane0.resident = None
 
 
 def _args():
@@ -314,6 +346,7 @@ def main():
     with torch.inference_mode(), torch.autocast(DEVICE, dtype=torch.float32, enabled=DEVICE == "cuda"):
         result["stock_priming_p50_ms"] = _priming_ms(
             lambda: flow(tokens, spk, None, prompt_mel=mel_p), 5)
+        result["stock_priming_kernels"] = _kernels(lambda: flow(tokens, spk, None, prompt_mel=mel_p))
     stock_ns = [int(x) for x in args.stock_ns.split(",")]
     result["stock"], result["stock_kernel_fraction"] = _stock_rows(flow, hift, stock_ns, 4,
                                                                    args.budget_ms)
@@ -329,17 +362,12 @@ def main():
     result["warm"] = served.prepare()
     result["prepare_s"] = time.perf_counter() - t
     print(json.dumps({"prepare_s": result["prepare_s"], "warm": result["warm"]}), flush=True)
-    lane0 = served.fpool.lanes[0]
-    with torch.inference_mode(), torch.autocast(DEVICE, dtype=torch.float32, enabled=DEVICE == "cuda"):
-        before = cflow.counters.compiled_calls
-        result["priming_p50_ms"] = _priming_ms(lambda: cflow(tokens, spk, None, prompt_mel=mel_p), 5)
-        result["priming_compiled"] = cflow.counters.compiled_calls - before == 7
-    lane0.calls_seen = cflow.counters.calls   # the priming timing ran outside the pool
-    lane0.resident = None
+    _compiled_priming(result, served.fpool.lanes[0], lambda: cflow(tokens, spk, None,
+                                                                   prompt_mel=mel_p))
     save()
     _lane_rows(result, served, flow, hift, lanes, args, start, save)
     result["moshi_conversations_per_gpu"] = None
-    result["moshi"] = {"not_run": "batched Moshi steps per lane are not wired into this script yet"}
+    result["moshi"] = {"not_run": "measured by bench/moshi_lanes.py (batched frames per lane)"}
     result["all_bit_exact"] = all(r["all_bit_exact"] for r in result["rows"])
     result["wall_s"] = time.perf_counter() - start
     save()
