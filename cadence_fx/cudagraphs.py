@@ -26,6 +26,7 @@ reason.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 import weakref
@@ -37,7 +38,7 @@ from .effects import RngSnapshot, TensorSnapshot
 from .fusion import pending_regions
 from .fx_utils import mutated_attributes
 
-__all__ = ["CudaGraphBackend"]
+__all__ = ["CudaGraphBackend", "private_stream"]
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class CudaGraphBackend:
         """The side stream warm-ups and captures run on (made again if the current device
         changed since: a step runs on one device)."""
         if self._side is None or self._side.device.index != torch.cuda.current_device():
-            self._side = torch.cuda.Stream()
+            self._side = private_stream()
         return self._side
 
     @contextlib.contextmanager
@@ -212,6 +213,29 @@ class CudaGraphBackend:
             rng.restore()
             self.warmup_seconds += time.perf_counter() - start
         return effects.host_reason
+
+
+# the streams live lanes and captures hold, by handle (``private_stream``)
+_HELD: "weakref.WeakValueDictionary[int, torch.cuda.Stream]" = weakref.WeakValueDictionary()
+
+
+def private_stream() -> torch.cuda.Stream:
+    """A stream of the current device that no live lane or capture holds. ``torch.cuda.Stream()``
+    hands out 32 pooled streams round-robin, so the 33rd comes back as the 1st: two lanes' capture
+    streams would then be one, their graphs one cuBLAS workspace (replayed concurrently, a race),
+    and destroying either's graphs would free the workspace the other's still use
+    (pytorch/pytorch#193402)."""
+    for attempt in range(2):
+        for _ in range(32):
+            stream = torch.cuda.Stream()
+            if stream.cuda_stream not in _HELD:
+                _HELD[stream.cuda_stream] = stream
+                return stream
+        gc.collect()   # steps, pools and lanes no longer referenced give theirs back
+    raise RuntimeError(
+        "every pooled CUDA stream of this device is held by a live lane or capture stream (torch "
+        "pools 32 per priority): close compiled steps and session pools that are no longer used "
+        "(step.close(), and drop them), or serve with fewer lanes")
 
 
 def _capture_failed(e: BaseException) -> str:

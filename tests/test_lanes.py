@@ -309,3 +309,16 @@ def test_concurrent_lane_replays_are_bit_exact_on_cuda(model):
     report, outs, lanes = asyncio.run(_serve(pool, scripts, seed=12, lanes=True))
     bad = _mismatches(lanes, scripts, [[o.cpu() for o in out] for out in outs], model, "scheduled")
     assert not bad, "\n".join(bad + [_lanes_report(pool), str(report)])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams")
+def test_lane_and_capture_streams_are_never_shared_when_torchs_pool_wraps():
+    """torch hands out 32 pooled streams round-robin: a lane's or a capture's stream must not come
+    back to another live lane (their graphs would share a cuBLAS workspace)."""
+    from cadence_fx.cudagraphs import private_stream
+    held = [private_stream() for _ in range(20)]
+    for _ in range(45):   # move torch's round-robin past the held ones, twice over
+        torch.cuda.Stream()
+    more = [private_stream() for _ in range(10)]
+    handles = [s.cuda_stream for s in held + more]
+    assert len(set(handles)) == len(handles)
