@@ -166,29 +166,9 @@ def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any]
 
     example = list(params.values()) + list(buffers.values()) + [v for _, v in arg_tensors]
     start = time.perf_counter()
+    splicer = RepeatedCalls(repeated, lambda: holder.get("flat", ()))
     try:
-        # Tensors held in plain attributes (module state such as a step counter or a streaming
-        # cache) enter the trace as real constants, and ops on them run for real while tracing:
-        # put them back afterwards so that a trace has no effects.
-        # Every parameter and buffer slot is put back by identity afterwards: stock code may
-        # register a buffer lazily (Mimi's codebook ``_embedding``), which would keep a fake
-        # tensor, and ``functional_call`` restores a module registered under two names in an
-        # order that can leave the fake behind.
-        state_tensors = TensorSnapshot(module_state_tensors(module).values())
-        slots = [(d, dict(d)) for m in module.modules(remove_duplicate=True)
-                 for d in (m._parameters, m._buffers)]
-        splicer = RepeatedCalls(repeated, lambda: holder.get("flat", ()))
-        try:
-            # (code_deferred: the passes generate the code, once)
-            with torch.no_grad(), splicer, code_deferred(), _quiet_fake_tensor_log():
-                gm = make_fx(flat_step, tracing_mode=tracing_mode, pre_dispatch=True,
-                             _allow_non_fake_inputs=True)(*example)
-        finally:
-            state_tensors.restore()
-            for live, saved in slots:
-                if live.keys() != saved.keys() or any(live[k] is not v for k, v in saved.items()):
-                    live.clear()
-                    live.update(saved)
+        gm = _make_fx_without_effects(module, flat_step, example, tracing_mode, splicer)
     except Exception as e:  # noqa: BLE001 - re-raised with the signature that failed
         shapes = ", ".join(f"{p}: {tuple(v.shape)}" for p, v in arg_tensors[:6])
         if len(arg_tensors) > 6:
@@ -206,6 +186,30 @@ def trace_step(module: torch.nn.Module, fn: Callable, named_args: Dict[str, Any]
     return TracedStep(gm=gm, inputs=inputs, out_spec=out_spec, out_paths=[p for p, _ in out_leaves],
                       out_constants=constants, out_tensor_index=tensor_idx, seconds=seconds,
                       copied_calls=splicer.copies, refused=dict(splicer.refused))
+
+
+def _make_fx_without_effects(module, flat_step, example, tracing_mode, splicer):
+    """``make_fx(flat_step)`` with the module left as it was found. Tensors held in plain
+    attributes (module state such as a step counter or a streaming cache) enter the trace as
+    real constants, and ops on them run for real while tracing: they are put back afterwards, so
+    that a trace has no effects. Every parameter and buffer slot is put back by identity too:
+    stock code may register a buffer lazily (Mimi's codebook ``_embedding``), which would keep a
+    fake tensor, and ``functional_call`` restores a module registered under two names in an
+    order that can leave the fake behind."""
+    state_tensors = TensorSnapshot(module_state_tensors(module).values())
+    slots = [(d, dict(d)) for m in module.modules(remove_duplicate=True)
+             for d in (m._parameters, m._buffers)]
+    try:
+        # (code_deferred: the passes generate the code, once)
+        with torch.no_grad(), splicer, code_deferred(), _quiet_fake_tensor_log():
+            return make_fx(flat_step, tracing_mode=tracing_mode, pre_dispatch=True,
+                           _allow_non_fake_inputs=True)(*example)
+    finally:
+        state_tensors.restore()
+        for live, saved in slots:
+            if live.keys() != saved.keys() or any(live[k] is not v for k, v in saved.items()):
+                live.clear()
+                live.update(saved)
 
 
 @contextlib.contextmanager
