@@ -1,5 +1,6 @@
 """cadence-fx: inspect an adapter's catalog before any model runs, explain it, write the HTML
-report of a short stream, run the demo, or list and clear the persistent compile cache.
+report of a short stream, run the demo, list and clear the persistent compile cache, or serve
+a model's sessions through Ray Serve.
 
 An adapter is named three ways: a registered name (minicpmo-token2wav), a module attribute
 (pkg.module:NAME) or an attribute of a Python file (path/to/file.py:NAME).
@@ -238,6 +239,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     spec_help = ("an adapter: a registered name (e.g. minicpmo-token2wav), pkg.module:NAME, or "
                  "path/to/file.py:NAME")
+    _inspecting(sub, spec_help)
+    _demo_parser(sub)
+    _cache_parser(sub)
+    _serve_parser(sub)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+def _inspecting(sub, spec_help: str) -> None:
+    """analyze, explain, report: what an adapter implies, and what a compile made of a stream."""
     a = sub.add_parser("analyze", help="print the catalog an adapter implies")
     a.add_argument("adapter", help=spec_help)
     a.add_argument("--json", action="store_true")
@@ -261,6 +272,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--verify", action="store_true",
                    help="compile with the shadow auditor (its nodes show in the rewrites)")
     r.set_defaults(run=_report)
+
+
+def _demo_parser(sub) -> None:
     d = sub.add_parser("demo", help="run a stream stock vs compiled and compare bit for bit")
     d.add_argument("--model", default="token2wav", choices=list(MODELS),
                    help="token2wav (default: the real MiniCPM-o 4.5 Token2Wav classes, random "
@@ -278,12 +292,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="no progress on stderr (each chunk with what is left, which class is "
                         "tracing and how long it took)")
     d.set_defaults(run=_demo)
+
+
+def _cache_parser(sub) -> None:
     c = sub.add_parser("cache", help="list or clear the persistent compile cache")
     c.add_argument("action", choices=["ls", "clear"])
     c.add_argument("--dir", default=None,
                    help="the cache directory (default: $CADENCE_FX_CACHE_DIR, else ~/.cache/cadence_fx)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(run=_cache)
+
+
+def _serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="serve a model's sessions over WebSockets through Ray Serve "
                                      "(needs the serve extra; docs/serving.md)")
     s.add_argument("--model", default="toy", choices=list(MODELS))
@@ -304,8 +324,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds Ctrl-C waits for live sessions to end their turn")
     s.set_defaults(run=_serve)
-    args = parser.parse_args(argv)
-    return args.run(args)
 
 
 if __name__ == "__main__":
