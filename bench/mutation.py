@@ -57,7 +57,7 @@ CORE = {
     "cadence_fx/class_compiler.py": "cadence_fx.class_compiler.x_probe_effects__mutmut_*",
 }
 
-# written into the staging tree's tests/ only: the property tests' verdicts must not depend on
+# added to the staging tree's tests/conftest.py only: the property tests' verdicts must not depend on
 # the draw, and a failing example is not shrunk (a killed mutant would take minutes)
 STAGE_CONFTEST = '''\
 import os
@@ -79,11 +79,12 @@ def staged(path: str) -> str:
 
 def _sync(src: Path, dst: Path, keep=()) -> None:
     """Mirror ``src`` into ``dst``, copying only changed files (the others keep their mtimes);
-    entries of ``dst`` absent from ``src`` are removed, except those named in ``keep``."""
+    entries of ``dst`` absent from ``src`` are removed. Entries named in ``keep`` are the staging
+    tree's own: never copied over, never removed."""
     skip = ("__pycache__", ".pytest_cache", ".hypothesis")
     dst.mkdir(parents=True, exist_ok=True)
     for entry in src.iterdir():
-        if entry.name in skip or entry.suffix == ".pyc":
+        if entry.name in skip or entry.name in keep or entry.suffix == ".pyc":
             continue
         target = dst / entry.name
         if entry.is_dir():
@@ -102,9 +103,10 @@ def stage() -> None:
     _sync(REPO / "passes", STAGE / "cadence_fx" / "passes")
     _sync(REPO / "adapters", STAGE / "cadence_fx" / "adapters")
     _sync(REPO / "tests", STAGE / "tests", keep=("conftest.py",))
-    conftest = STAGE / "tests" / "conftest.py"
-    if not conftest.exists() or conftest.read_text() != STAGE_CONFTEST:
-        conftest.write_text(STAGE_CONFTEST)
+    conftest = STAGE / "tests" / "conftest.py"   # the repository's fixtures, then the profile
+    text = (REPO / "tests" / "conftest.py").read_text() + "\n" + STAGE_CONFTEST
+    if not conftest.exists() or conftest.read_text() != text:
+        conftest.write_text(text)
     for name in ("pyproject.toml", "README.md"):
         if not (STAGE / name).exists() or not filecmp.cmp(REPO / name, STAGE / name, shallow=False):
             shutil.copy2(REPO / name, STAGE / name)

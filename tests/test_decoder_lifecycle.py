@@ -13,15 +13,7 @@ from cadence_fx.fusion import regions
 
 from streaming_conformer import one_thread  # noqa: F401 - autouse: one intra-op thread per file
 from streaming_decoder import CALL, CHUNK, DECODER_ADAPTER, LAYERS, chunks, clone, make_decoder, prompt
-
-
-@pytest.fixture
-def rewrites_on_cpu(monkeypatch):
-    """Fusion on the CPU: Inductor's C++ compiles the regions, each verified as on the device.
-    (A convolution's bias is split off only where cuDNN runs it, which adds the bias after the
-    convolution; the CPU's kernels add it inside, so that rewrite is the device's: the real CFM's
-    device test covers it.)"""
-    monkeypatch.setattr(fusion, "DEVICES", ("cuda", "cpu"))
+from helpers import same
 
 
 def script(step, device="cpu"):
@@ -49,17 +41,6 @@ def script(step, device="cpu"):
     return out
 
 
-def _bits(t):
-    """The tensor's bits: ``torch.equal`` calls -0.0 and +0.0 equal (and a NaN unequal to itself)."""
-    return t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t
-
-
-def _same(a, b):
-    return len(a) == len(b) and all(
-        torch.equal(_bits(x[0]), _bits(y[0])) and x[1].keys() == y[1].keys()
-        and all(torch.equal(_bits(x[1][k]), _bits(y[1][k])) for k in x[1]) for x, y in zip(a, b))
-
-
 @pytest.fixture(scope="module")
 def stock():
     return script(make_decoder())
@@ -81,10 +62,13 @@ def fresh_process(monkeypatch):
     monkeypatch.setattr(fusion, "compile_region", no_compiler)
 
 
-def test_the_rewrites_run_through_a_server_lifecycle_bit_exact(rewrites_on_cpu, stock, tmp_path,
+# Fusion on the CPU (fuse_on_cpu): a convolution's bias is split off only where cuDNN runs it, which
+# adds the bias after the convolution; the CPU's kernels add it inside, so that rewrite is the
+# device's: the real CFM's device test covers it.
+def test_the_rewrites_run_through_a_server_lifecycle_bit_exact(fuse_on_cpu, stock, tmp_path,
                                                               monkeypatch):
     compiled = cadence_fx.compile(make_decoder(), DECODER_ADAPTER, cache_dir=tmp_path)
-    assert _same(stock, script(compiled))
+    assert same(stock, script(compiled), bits=True)
     k = compiled.counters
     assert k.fallbacks == 0 and k.compiled_calls == k.calls == len(stock)
     # per layer, the priming pass's K/V concatenation written into the workspace in place; a
@@ -111,7 +95,7 @@ def test_the_rewrites_run_through_a_server_lifecycle_bit_exact(rewrites_on_cpu, 
     assert len(list((tmp_path / "kernels").glob("*.kernel"))) > 0
     fresh_process(monkeypatch)
     restarted = cadence_fx.compile(make_decoder(), DECODER_ADAPTER, cache_dir=tmp_path)
-    assert _same(stock, script(restarted))
+    assert same(stock, script(restarted), bits=True)
     r = restarted.counters
     assert r.traces == 0 and r.compiled_loads == len(restarted.classes) == len(compiled.classes)
     assert r.fallbacks == 0 and r.fused_regions == k.fused_regions
@@ -128,7 +112,7 @@ def test_the_rewrites_run_through_a_server_lifecycle_on_the_device_in_graphs():
     regions (the conv contexts written by theirs), bit-exact against the stock decoder there."""
     stock = script(make_decoder().cuda(), "cuda")
     compiled = cadence_fx.compile(make_decoder().cuda(), DECODER_ADAPTER)
-    assert _same(stock, script(compiled, "cuda"))
+    assert same(stock, script(compiled, "cuda"), bits=True)
     k = compiled.counters
     assert k.fallbacks == 0 and k.compiled_calls == k.calls == len(stock) and k.replays > 0
     records = _fusion_records(compiled)
@@ -142,6 +126,6 @@ def test_without_the_rewrites_nothing_is_written_in_place(stock):
     """The control: the same script with fusion off (the shipped default on the CPU) is also
     bit-exact, and none of the rewrites ran -- what the first test counts is theirs."""
     compiled = cadence_fx.compile(make_decoder(), DECODER_ADAPTER)
-    assert _same(stock, script(compiled))
+    assert same(stock, script(compiled), bits=True)
     assert all(r.get("cats_in_place") is None and r["regions"] == []
                for r in _fusion_records(compiled))

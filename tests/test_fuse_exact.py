@@ -24,24 +24,14 @@ from cadence_fx.pipeline import Options
 
 from streaming_conformer import one_thread  # noqa: F401 - autouse: one intra-op thread per file
 from streaming_conformer import CONFORMER_ADAPTER, make_model, run_turns
+from helpers import same
 
 TURNS = [(0, [8, 12, 8, 4]), (1, [12, 8])]
-
-
-@pytest.fixture
-def fuse_on_cpu(monkeypatch):
-    monkeypatch.setattr(fusion, "DEVICES", ("cuda", "cpu"))
 
 
 @pytest.fixture(scope="module")
 def stock():
     return run_turns(make_model(), TURNS, seed=5)[0]
-
-
-def _same(a, b):
-    return len(a) == len(b) and all(
-        torch.equal(x[0], y[0]) and x[1].keys() == y[1].keys()
-        and all(torch.equal(x[1][k], y[1][k]) for k in x[1]) for x, y in zip(a, b))
 
 
 def _compiled(**options):
@@ -55,7 +45,7 @@ def _all_regions(compiled):
 def test_conformer_stream_runs_fused_regions_bit_exact(fuse_on_cpu, stock):
     compiled = _compiled()
     ours = run_turns(compiled, TURNS, seed=5)[0]
-    assert _same(stock, ours)
+    assert same(stock, ours)
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks) == (k.calls, 0) and k.calls == len(stock)
     found = _all_regions(compiled)
@@ -104,7 +94,7 @@ def test_a_region_whose_fused_form_differs_stays_stock_with_the_reason(fuse_on_c
         return run
     monkeypatch.setattr(fusion, "compile_region", off_by_one_ulp)
     compiled = _compiled()
-    assert _same(stock, run_turns(compiled, TURNS, seed=5)[0])
+    assert same(stock, run_turns(compiled, TURNS, seed=5)[0])
     found = _all_regions(compiled)
     floating = [r for r in found if _first_result(r.stock).is_floating_point()]
     assert floating and all(r.state == "stock" and "differs from stock" in r.reason for r in floating)
@@ -117,7 +107,7 @@ def test_a_region_whose_compile_fails_stays_stock_with_the_reason(fuse_on_cpu, s
         raise RuntimeError("no compiler here")
     monkeypatch.setattr(fusion, "compile_region", broken)
     compiled = _compiled()
-    assert _same(stock, run_turns(compiled, TURNS, seed=5)[0])
+    assert same(stock, run_turns(compiled, TURNS, seed=5)[0])
     found = _all_regions(compiled)
     assert found and all(r.state == "stock" and r.reason == "compile failed: RuntimeError: no compiler here"
                          for r in found)
@@ -126,13 +116,13 @@ def test_a_region_whose_compile_fails_stays_stock_with_the_reason(fuse_on_cpu, s
 
 def test_no_regions_on_a_cpu_step_by_default_nor_when_switched_off(stock, monkeypatch):
     compiled = _compiled()
-    assert _same(stock, run_turns(compiled, TURNS, seed=5)[0])
+    assert same(stock, run_turns(compiled, TURNS, seed=5)[0])
     e = next(iter(compiled.classes.values()))
     assert not _all_regions(compiled)
     assert e.records["fusion"]["skipped"] == "fusion is for device steps (cuda); this step runs on cpu"
     monkeypatch.setattr(fusion, "DEVICES", ("cuda", "cpu"))
     off = _compiled(fuse_exact=False)
-    assert _same(stock, run_turns(off, TURNS, seed=5)[0])
+    assert same(stock, run_turns(off, TURNS, seed=5)[0])
     assert not _all_regions(off) and off.counters.fused_regions == 0
     assert "fuse_exact" not in [p["name"] for p in next(iter(off.classes.values())).records["passes"]]
 
@@ -481,7 +471,7 @@ def test_conformer_on_the_device_replays_fused_regions_bit_exact():
     ref = run_turns(on_device(stock_model), turns, seed=5)[0]
     compiled = cadence_fx.compile(model, CONFORMER_ADAPTER)
     ours = run_turns(on_device(compiled), turns, seed=5)[0]
-    assert _same(ref, ours)
+    assert same(ref, ours)
     k = compiled.counters
     assert k.fallbacks == 0 and k.replays >= k.calls and k.fused_regions > 0
     found = _all_regions(compiled)
@@ -493,10 +483,10 @@ def test_conformer_on_the_device_replays_fused_regions_bit_exact():
 def test_a_restarted_server_loads_its_fused_regions_from_the_cache_and_verifies_them_again(
         fuse_on_cpu, stock, tmp_path):
     first = cadence_fx.compile(make_model(), CONFORMER_ADAPTER, cache_dir=tmp_path)
-    assert _same(stock, run_turns(first, TURNS, seed=5)[0])
+    assert same(stock, run_turns(first, TURNS, seed=5)[0])
     states = sorted(r.state for r in _all_regions(first))
     restarted = cadence_fx.compile(make_model(), CONFORMER_ADAPTER, cache_dir=tmp_path)
-    assert _same(stock, run_turns(restarted, TURNS, seed=5)[0])
+    assert same(stock, run_turns(restarted, TURNS, seed=5)[0])
     k = restarted.counters
     assert k.traces == 0 and k.compiled_loads == len(restarted.classes) > 0
     again = _all_regions(restarted)
@@ -514,7 +504,7 @@ def test_the_report_says_what_fusion_made_of_each_class(fuse_on_cpu, stock, monk
         return module
     monkeypatch.setattr(fusion, "compile_region", refuse_first)
     compiled = _compiled()
-    assert _same(stock, run_turns(compiled, TURNS, seed=5)[0])
+    assert same(stock, run_turns(compiled, TURNS, seed=5)[0])
     rows = compiled.report().classes()
     found = _all_regions(compiled)
     assert sum(r["fusion"]["regions"] for r in rows) == len(found) > 1
@@ -582,7 +572,7 @@ def test_a_server_lifecycle_with_fused_regions_retry_new_speaker_and_mode_change
 
     stock = script(make_model())
     compiled = _compiled()
-    assert _same(stock, script(compiled))
+    assert same(stock, script(compiled))
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks) == (k.calls, 0) and k.calls == len(stock)
     assert k.fused_regions > 0 and all(r.state != "pending" for r in _all_regions(compiled))

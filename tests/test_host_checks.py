@@ -10,16 +10,14 @@ import torch
 from torch import nn
 
 import cadence_fx
-from cadence_fx.contract import APPEND, Adapter, Region, SlidingWindow
+from cadence_fx.contract import Adapter
 from cadence_fx.fx_utils import aten
 from cadence_fx.pipeline import Options
+from helpers import stream, window_adapter
 
 W = 8
-ADAPTER = Adapter(
-    name="vocoder", clocks={"W": W, "c": 4, "bins": 9},
-    regions=(Region(name="ctx", input="cache.ctx", output="1.ctx", dim=2, retention=SlidingWindow("W"),
-                    advance="c", ordering=APPEND, shape=(1, "bins", None)),),
-    call_frames=("c",), call_input="x", call_dim=2, constants=("window",))
+ADAPTER = window_adapter("vocoder", (1, "bins", None), w=W, c=4, region="ctx", clocks={"bins": 9},
+                         constants=("window",))
 ISTFT_KEPT = "istft checks its window on the host (not capturable)"
 
 
@@ -44,14 +42,7 @@ class Vocoder(nn.Module):
 
 
 def _stream(step, xs):
-    state, outs = {"ctx": torch.zeros(1, 9, 0, device=xs[0].device)}, []
-    for i, x in enumerate(xs):
-        if i == len(xs) // 2:      # a turn reset
-            state = {"ctx": torch.zeros(1, 9, 0, device=xs[0].device)}
-        with torch.no_grad():
-            y, state = step(x, state)
-        outs.append((y.clone(), state["ctx"].clone()))
-    return outs
+    return stream(step, xs, lambda: {"ctx": torch.zeros(1, 9, 0, device=xs[0].device)}, "ctx")
 
 
 def _run(window, device="cpu", calls=10, adapter=ADAPTER, cache_dir=None, **options):

@@ -9,17 +9,13 @@ import torch
 from torch import nn
 
 import cadence_fx
-from cadence_fx.contract import APPEND, Adapter, Region, SlidingWindow
 from cadence_fx.fx_utils import aten
 from cadence_fx.pipeline import Options
+from helpers import same, stream, window_adapter
 
 W = 6
 BOOL_MASK = "boolean-mask indexing (aten::index_put_) syncs with the host through nonzero"
-ADAPTER = Adapter(
-    name="blank", clocks={"W": W, "c": 2, "heads": 2, "d": 4},
-    regions=(Region(name="k", input="cache.k", output="1.k", dim=2, retention=SlidingWindow("W"),
-                    advance="c", ordering=APPEND, shape=(3, "heads", None, "d")),),
-    call_frames=("c",), call_input="x", call_dim=2)
+ADAPTER = window_adapter("blank", (3, "heads", None, "d"), w=W, c=2, clocks={"heads": 2, "d": 4})
 REWRITTEN = ["rows", "inner", "full", "tensor-value", "out-of-place", "int", "nan", "bf16"]
 KEPT = ["accumulate", "many-values"]
 
@@ -65,15 +61,7 @@ class Blank(nn.Module):
 
 
 def _stream(step, xs):
-    empty = lambda: torch.zeros(3, 2, 0, 4, device=xs[0].device)  # noqa: E731
-    state, outs = {"k": empty()}, []
-    for i, x in enumerate(xs):
-        if i == len(xs) // 2:                            # a turn reset: back to the empty window
-            state = {"k": empty()}
-        with torch.no_grad():
-            y, state = step(x, state)
-        outs.append((y.clone(), state["k"].clone()))
-    return outs
+    return stream(step, xs, lambda: {"k": torch.zeros(3, 2, 0, 4, device=xs[0].device)}, "k")
 
 
 def _inputs(calls=10):
@@ -81,19 +69,6 @@ def _inputs(calls=10):
     # rows with all-negative inputs make the masks vary: all true, mixed, none
     return [torch.randn(3, 2, 2, 4, generator=g) + torch.tensor([-3.0, 0.0, 3.0])[i % 3]
             for i in range(calls)]
-
-
-_INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
-
-
-def _bits(t):
-    """The tensor's bits (NaN payloads included: ``torch.equal`` finds NaN unequal to itself)."""
-    return t.view(_INT[t.dtype]) if t.dtype in _INT else t
-
-
-def _same(a, b):
-    return len(a) == len(b) and all(torch.equal(_bits(x[0]), _bits(y[0])) and
-                                    torch.equal(_bits(x[1]), _bits(y[1])) for x, y in zip(a, b))
 
 
 def _index_puts(compiled) -> int:
@@ -117,7 +92,7 @@ def _run(form, device="cpu", **options):
 @pytest.mark.parametrize("form", REWRITTEN)
 def test_a_masked_write_of_one_value_is_a_select_and_bit_exact(form):
     stock, ours, compiled = _run(form)
-    assert _same(stock, ours)
+    assert same(stock, ours, bits=True)
     masks = [bool((o[0] == o[0]).all()) for o in stock]   # NaN rows differ from themselves
     if form == "nan":
         assert not all(masks)
@@ -141,7 +116,7 @@ def test_the_masks_of_the_stream_are_mixed():
 @pytest.mark.parametrize("form", KEPT)
 def test_other_masked_writes_stay_eager_with_the_reason(form):
     stock, ours, compiled = _run(form)
-    assert _same(stock, ours)
+    assert same(stock, ours, bits=True)
     for e in compiled.classes.values():
         assert [(p["kind"], p["reasons"]) for p in e.records["pieces"]] == \
             [("graph", []), ("eager", [BOOL_MASK]), ("graph", [])]
@@ -156,7 +131,7 @@ def test_on_the_device_a_masked_write_replays_in_one_graph(form):
     """On CUDA ``h[rows] = 7.0`` writes a host literal: the pass copies it to the device once, so
     the class is one graph, replayed on every call, bit-exact."""
     stock, ours, compiled = _run(form, device="cuda")
-    assert _same(stock, ours)
+    assert same(stock, ours, bits=True)
     k = compiled.counters
     assert (k.replays, k.eager_pieces) == (len(stock), 0)
     for e in compiled.classes.values():
@@ -166,7 +141,7 @@ def test_on_the_device_a_masked_write_replays_in_one_graph(form):
 
 def test_the_switch_turns_the_pass_off():
     stock, ours, compiled = _run("rows", mask_writes=False)
-    assert _same(stock, ours)
+    assert same(stock, ours, bits=True)
     for e in compiled.classes.values():
         assert [p["kind"] for p in e.records["pieces"]] == ["graph", "eager", "graph"]
     assert _index_puts(compiled) == len(compiled.classes)

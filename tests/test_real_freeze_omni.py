@@ -9,6 +9,7 @@ from cadence_fx import adapters
 from cadence_fx.fx_utils import aten
 from cadence_fx.models.freeze_omni import FreezeOmniEncoder
 from op_count import OpCount, difference
+from helpers import same
 
 
 def _stream(step, enc, feats, reset_at):
@@ -23,11 +24,6 @@ def _stream(step, enc, feats, reset_at):
     return outs, addresses
 
 
-def _same(a, b):
-    return torch.equal(a[0], b[0]) and a[1].keys() == b[1].keys() and all(
-        a[1][k].shape == b[1][k].shape and torch.equal(a[1][k], b[1][k]) for k in a[1])
-
-
 def test_freeze_omni_stream_bit_exact_with_k_2():
     enc = FreezeOmniEncoder(layers=4, dim=256, heads=4, ffn=1024).eval()
     adapter = adapters.get("freeze-omni").with_clocks(layers=4, heads=4, head_dim=64)
@@ -36,7 +32,7 @@ def test_freeze_omni_stream_bit_exact_with_k_2():
     stock, stock_addresses = _stream(enc, enc, feats, reset_at=5)
     compiled = cadence_fx.compile(enc, adapter, verify=True)
     ours, addresses = _stream(compiled, enc, feats, reset_at=5)
-    assert [_same(s, o) for s, o in zip(stock, ours)] == [True] * 10
+    assert [same(s, o) for s, o in zip(stock, ours)] == [True] * 10
     assert len(addresses) == 1 and len(stock_addresses) > 1  # cat + slice vs one carry
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks, k.traces) == (10, 0, 2)

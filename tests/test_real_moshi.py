@@ -11,6 +11,7 @@ from stock_packages import MOSHI, require
 
 require(*MOSHI)   # skips only when a third-party package is absent
 from cadence_fx.models import moshi as M  # noqa: E402 - the project's own: must import
+from helpers import same
 
 M.import_stock()
 
@@ -18,12 +19,6 @@ M.import_stock()
 def _frames(n, seed=3):
     g = torch.Generator().manual_seed(seed)
     return [0.1 * torch.randn(1, 1, 1920, generator=g) for _ in range(n)]
-
-
-def _same(a, b):
-    if a is None or b is None:
-        return a is None and b is None
-    return a.shape == b.shape and torch.equal(a, b)
 
 
 def _run(fn, fresh, frames, reset_at, seed=5):
@@ -61,7 +56,7 @@ def test_mimi_stream_bit_exact_against_the_stock_loop():
     step = M.MimiStep(mimi)
     compiled = cadence_fx.compile(step, "moshi-mimi")       # the real declared shapes
     ours, addresses = _run(compiled, step.initial_state, frames, reset_at=3)
-    assert [_same(s[0], o[0]) and _same(s[1], o[1]) for s, o in zip(stock, ours)] == [True] * 6
+    assert [same(s[0], o[0]) and same(s[1], o[1]) for s, o in zip(stock, ours)] == [True] * 6
     k = compiled.counters
     assert (k.calls, k.compiled_calls, k.fallbacks, k.traces) == (6, 6, 0, 1)
     for region in ("mimi_encoder_kv", "mimi_decoder_kv", "mimi_conv_in"):
@@ -85,7 +80,7 @@ def test_a_turn_reset_in_place_copies_nothing_and_the_step_keeps_no_second_state
     holder = mimi.encoder_transformer.transformer.layers[0].self_attn._streaming_state
     assert holder.kv_cache.cache.data_ptr() == state["mimi_encoder_kv"].data_ptr()
     outs, state = _reset_in_place(step, compiled, state, frames, reset_at=2)
-    assert [_same(s[0], o[0]) and _same(s[1], o[1]) for s, o in zip(stock, outs)] == [True] * 4
+    assert [same(s[0], o[0]) and same(s[1], o[1]) for s, o in zip(stock, outs)] == [True] * 4
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks, k.absorptions) == (4, 0, 3)   # the first call only
     carry = compiled.carries["mimi_encoder_kv"].tensor
@@ -102,10 +97,10 @@ def test_moshi_frame_bit_exact_with_sampling_and_a_turn_reset():
     step = M.MoshiStep(mimi, lm_gen)
     adapter = M.moshi_adapter(M.SMALL_LM)
     eager, _ = _run(step, step.initial_state, frames, reset_at=4)
-    assert all(_same(s[0], e[0]) and _same(s[1], e[1]) for s, e in zip(stock, eager))
+    assert all(same(s[0], e[0]) and same(s[1], e[1]) for s, e in zip(stock, eager))
     compiled = cadence_fx.compile(step, adapter)
     ours, addresses = _run(compiled, step.initial_state, frames, reset_at=4)
-    assert [_same(s[0], o[0]) and _same(s[1], o[1]) for s, o in zip(stock, ours)] == [True] * 8
+    assert [same(s[0], o[0]) and same(s[1], o[1]) for s, o in zip(stock, ours)] == [True] * 8
     k = compiled.counters
     assert (k.calls, k.compiled_calls, k.fallbacks) == (8, 8, 0)
     # lm_offset 0 (delays filling), 1 (first tokens), 2 (steady): one class each
@@ -134,8 +129,8 @@ def test_closing_the_step_lets_the_stock_modules_stream_again():
     step.close()
     assert mimi._streaming_state is None
     again = M.stock_stream(mimi, None, frames, reset_at=2)
-    assert [_same(s[0], o[0]) and _same(s[1], o[1]) for s, o in zip(want, again)] == [True] * 4
-    assert [_same(s[0], o[0]) and _same(s[1], o[1]) for s, o in zip(want, ours)] == [True] * 4
+    assert [same(s[0], o[0]) and same(s[1], o[1]) for s, o in zip(want, again)] == [True] * 4
+    assert [same(s[0], o[0]) and same(s[1], o[1]) for s, o in zip(want, ours)] == [True] * 4
 
 
 def test_initial_state_matches_the_declared_regions():
@@ -173,7 +168,7 @@ def test_a_restarted_moshi_server_loads_every_frame_class_compiled(tmp_path):
         step = M.MoshiStep(mimi, lm_gen)
         compiled = cadence_fx.compile(step, M.moshi_adapter(M.SMALL_LM), cache_dir=tmp_path)
         ours, _ = _run(compiled, step.initial_state, frames, reset_at=4)
-        assert [_same(s[0], o[0]) and _same(s[1], o[1]) for s, o in zip(stock, ours)] == [True] * 8
+        assert [same(s[0], o[0]) and same(s[1], o[1]) for s, o in zip(stock, ours)] == [True] * 8
         k = compiled.counters
         assert (k.compiled_calls, k.fallbacks) == (8, 0)
         step.close()
@@ -199,7 +194,7 @@ def test_a_donated_state_is_the_carry_and_the_only_copy_of_the_state():
     state = step.initial_state()
     given = {k: state[k].data_ptr() for k in ("mimi_encoder_kv", "mimi_decoder_kv")}
     outs, state = _reset_in_place(step, compiled, state, frames, reset_at=3)
-    assert [_same(s[0], o[0]) and _same(s[1], o[1]) for s, o in zip(stock, outs)] == [True] * 5
+    assert [same(s[0], o[0]) and same(s[1], o[1]) for s, o in zip(stock, outs)] == [True] * 5
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks, k.adoptions, k.absorptions) == (5, 0, 2, 1)
     for name, ptr in given.items():

@@ -13,6 +13,7 @@ from torch import nn
 import cadence_fx
 from cadence_fx.contract import APPEND, PREPEND, Adapter, Region, SlidingWindow
 from cadence_fx.errors import GuardError
+from helpers import stream, window_adapter
 
 W = 6
 FORMS = ["slice", "narrow", "split", "chunk", "conditional", "clone", "prepend", "window-only",
@@ -58,22 +59,12 @@ class Window(nn.Module):
 
 
 def _adapter(order: str, chunk: int = 2) -> Adapter:
-    return Adapter(
-        name=f"window-{order}", clocks={"W": W, "c": chunk, "heads": 2, "d": 4},
-        regions=(Region(name="k", input="cache.k", output="1.k", dim=2, retention=SlidingWindow("W"),
-                        advance="c", ordering=order, shape=(1, "heads", None, "d")),),
-        call_frames=("c",), call_input="x", call_dim=2)
+    return window_adapter(f"window-{order}", (1, "heads", None, "d"), w=W, c=chunk, order=order,
+                          clocks={"heads": 2, "d": 4})
 
 
 def _stream(step, xs, device):
-    state, outs = {"k": torch.zeros(1, 2, 0, 4, device=device)}, []
-    for i, x in enumerate(xs):
-        if i == len(xs) // 2:            # a turn reset: back to the empty window
-            state = {"k": torch.zeros(1, 2, 0, 4, device=device)}
-        with torch.no_grad():
-            y, state = step(x, state)
-        outs.append((y.clone(), state["k"].clone()))
-    return outs
+    return stream(step, xs, lambda: {"k": torch.zeros(1, 2, 0, 4, device=device)}, "k")
 
 
 def _cats_left(compiled) -> int:

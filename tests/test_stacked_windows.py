@@ -10,6 +10,7 @@ from torch import nn
 
 import cadence_fx
 from cadence_fx.contract import APPEND, Adapter, Region, SlidingWindow
+from helpers import stream
 
 W, LAYERS, HEADS, D, CHUNK = 6, 3, 2, 4, 2
 FORMS = ["stack", "stack-inside", "stack-outside", "cat-wenet"]
@@ -82,14 +83,7 @@ def _empty(form, device):
 
 
 def _stream(step, form, xs, device):
-    state, outs = _empty(form, device), []
-    for i, x in enumerate(xs):
-        if i == len(xs) // 2:   # a turn reset: back to the empty window
-            state = _empty(form, device)
-        with torch.no_grad():
-            y, state = step(x, state)
-        outs.append((y.clone(), state["kv"].clone()))
-    return outs
+    return stream(step, xs, lambda: _empty(form, device), "kv")
 
 
 def _count(compiled, op) -> int:

@@ -18,6 +18,7 @@ import cadence_fx
 from cadence_fx.envelopes import Envelopes
 from cadence_fx.counters import Counters
 from cadence_fx.models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
+from helpers import same
 
 ENVELOPE_BYTES = 2 * 1 * 4 * 128 * 32 * 4   # the toy's (2, 1, 4, 128, 32) float32 att_cache_buffer
 
@@ -82,17 +83,12 @@ def _run(step, prompt, xs):
 
 def _compiled(model, adapter=ADAPTER):
     c = cadence_fx.compile(model, adapter, release_envelopes=True)
-    assert _same(_run(c, _prompt(), _chunks(1)), _run(PromptRetainedToy(), _prompt(), _chunks(1)))
+    assert same(_run(c, _prompt(), _chunks(1)), _run(PromptRetainedToy(), _prompt(), _chunks(1)))
     assert (c.counters.compiled_calls, c.counters.fallbacks) == (1, 0)
     assert c.counters.released_bytes == ENVELOPE_BYTES
     (envelope,) = [b for n, b in model.named_buffers() if n.endswith("att_cache_buffer")]
     assert envelope.untyped_storage().nbytes() == 0
     return c
-
-
-def _same(a, b):
-    return len(a) == len(b) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
-                                    for x, y in zip(a, b))
 
 
 def _wrapped(module):
@@ -166,7 +162,7 @@ def test_a_declared_priming_method_borrows_the_envelope_and_copies_its_result_ou
     assert model.att_cache_buffer.untyped_storage().nbytes() == 0   # released again
     # the primed state streams on the compiled path, bit-exact
     ours, ref = _run(c, state, _chunks(1, 7)), _run(stock, state_ref, _chunks(1, 7))
-    assert _same(ours, ref) and c.counters.fallbacks == 0
+    assert same(ours, ref) and c.counters.fallbacks == 0
 
 
 def test_priming_without_a_release_calls_straight_through():

@@ -1,0 +1,84 @@
+"""What many test files need: running a step over a stream with a turn reset, and comparing
+results bit for bit.
+
+* ``stream(step, xs, start, key)``: ``y, state = step(x, state)`` for every chunk under
+  ``torch.no_grad()``, from ``start`` (a state, or a callable making a fresh one) and back to it
+  at ``reset_at`` (a turn reset; the middle of the stream by default); returns
+  ``[(y, state[key])]``, cloned.
+* ``same(a, b)``: nested outputs (tensors, dicts, lists, tuples, None, numbers) equal: the same
+  structure, dict keys and lengths, and ``torch.equal`` on every pair of tensors. With
+  ``bits=True`` floats are compared by their bit patterns (``bits``): ``torch.equal`` calls -0.0
+  and +0.0 equal and finds a NaN unequal to itself.
+* ``window_adapter(name, shape, w=, c=)``: the small adapter most hand-written steps need, one
+  region ``k`` kept as a sliding window of ``W`` frames, read from ``cache.k``, returned as
+  ``1.k``, ``c`` frames per call of ``x``.
+* ``StandInBackend``: the CPU stand-in of the device-graph backend
+  (``cadence_fx/replay_stand_in.py``).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from cadence_fx.contract import APPEND, Adapter, Region, SlidingWindow
+from cadence_fx.replay_stand_in import Capture, StandInBackend
+
+__all__ = ["stream", "same", "bits", "window_adapter", "StandInBackend", "Capture"]
+
+_INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+        torch.bfloat16: torch.int16}
+
+
+def stream(step, xs, start, key: str, *, reset_at: Optional[int] = None,
+           before: Optional[Callable[[int], None]] = None):
+    """Outputs and states (``state[key]``), cloned, of ``step`` over ``xs`` with one turn reset
+    at ``reset_at`` (default ``len(xs) // 2``); ``before(i)`` runs before chunk ``i``."""
+    fresh = start if callable(start) else (lambda: start)
+    reset_at = len(xs) // 2 if reset_at is None else reset_at
+    state, outs = fresh(), []
+    for i, x in enumerate(xs):
+        if before is not None:
+            before(i)
+        if i == reset_at:
+            state = fresh()
+        with torch.no_grad():
+            y, state = step(x, state)
+        outs.append((y.clone(), state[key].clone()))
+    return outs
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns (floats viewed as integers of their width), NaN payloads and
+    the sign of zero included."""
+    return t.contiguous().view(_INT[t.dtype]) if t.dtype in _INT else t
+
+
+def same(a, b, *, bits: bool = False) -> bool:
+    """``a`` and ``b`` equal bit for bit, structure included (see the module docstring)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        return torch.equal(_bits(a), _bits(b)) if bits else torch.equal(a, b)
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and a.keys() == b.keys()
+                and all(same(a[k], b[k], bits=bits) for k in a))
+    if isinstance(a, (tuple, list)):
+        return (isinstance(b, (tuple, list)) and len(a) == len(b)
+                and all(same(x, y, bits=bits) for x, y in zip(a, b)))
+    return a == b
+
+
+_bits = bits
+
+
+def window_adapter(name: str, shape, *, w: int, c: int, region: str = "k", order: str = APPEND,
+                   dim: int = 2, clocks=None, **adapter) -> Adapter:
+    """One region ``region`` kept as a sliding window of ``W = w`` frames along ``dim`` (its
+    ``shape`` with ``None`` there), ``c`` frames per call; ``clocks`` adds named sizes, ``adapter``
+    more of the adapter's fields (``constants=...``)."""
+    return Adapter(
+        name=name, clocks={"W": w, "c": c, **(clocks or {})},
+        regions=(Region(name=region, input=f"cache.{region}", output=f"1.{region}", dim=dim,
+                        retention=SlidingWindow("W"), advance="c", ordering=order, shape=shape),),
+        call_frames=("c",), call_input="x", call_dim=dim, **adapter)
