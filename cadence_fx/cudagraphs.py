@@ -72,7 +72,6 @@ class CudaGraphBackend:
             # short) is being freed by the allocator and may not be captured into again: its
             # handle would trip the allocator's internal assert. Start a new one.
             self.pool = torch.cuda.graph_pool_handle()
-        piece.staging_bytes = 0
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -82,6 +81,34 @@ class CudaGraphBackend:
             reason = self._warm_up(piece, args, verify=not self.warm_up)
             if reason:
                 return None, reason
+        static = self._staged_inputs(piece, args)
+        # torch.cuda.graph empties the allocator's cache as it starts capturing: do it first, so
+        # the reserved bytes below count the pool's growth, not blocks freed by that. (No
+        # gc.collect: torch's own capture dropped it as too expensive for captures in a row; after
+        # a cold compile's graphs and fake tensors, the Token2Wav catalog's captures took 8.4 s
+        # with it on the H200 host, 1.4 s without.)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        captured = self._capture_or_retry(piece, args, static)
+        if isinstance(captured, str):
+            return None, captured
+        graph, outs = captured
+        end.record()
+        torch.cuda.synchronize()
+        self.capture_seconds += start.elapsed_time(end) / 1e3
+        self.graph_allocated_bytes += torch.cuda.memory_allocated() - allocated
+        self.graph_reserved_bytes += torch.cuda.memory_reserved() - reserved
+        self.captured += 1
+        self._graphs.add(graph)
+        self.staging_bytes += piece.staging_bytes
+        return self._replayer(piece, args, static, graph, outs), None
+
+    @staticmethod
+    def _staged_inputs(piece, args) -> List:
+        """The capture's inputs: a static copy of each tensor input that is not fixed-address
+        storage (``piece.staging_bytes`` counts them), the others as they are."""
+        piece.staging_bytes = 0
         static = []
         for a, fixed in zip(args, piece.fixed):
             if isinstance(a, torch.Tensor) and not fixed:
@@ -91,37 +118,28 @@ class CudaGraphBackend:
                 piece.staging_bytes += s.untyped_storage().nbytes()
             else:
                 static.append(a)
-        # torch.cuda.graph empties the allocator's cache as it starts capturing: do it first, so
-        # the reserved bytes below count the pool's growth, not blocks freed by that. (No
-        # gc.collect: torch's own capture dropped it as too expensive for captures in a row; after
-        # a cold compile's graphs and fake tensors, the Token2Wav catalog's captures took 8.4 s
-        # with it on the H200 host, 1.4 s without.)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        return static
+
+    def _capture_or_retry(self, piece, args, static):
+        """``(graph, outputs)``, or why the piece stays eager: a capture that fails is warmed up
+        and tried once more (unless every capture is warmed up already)."""
         try:
-            graph, outs = self._capture(piece, static)
+            return self._capture(piece, static)
         except torch.OutOfMemoryError as e:
-            return None, _capture_failed(e)
+            return _capture_failed(e)
         except Exception as e:  # noqa: BLE001 - warm up, then capture once more
             if self.warm_up:
-                return None, _capture_failed(e)
+                return _capture_failed(e)
             log.info("%s: %s; warming up and capturing again", piece.piece_name, _capture_failed(e))
-            reason = self._warm_up(piece, args)
-            if reason:
-                return None, reason
-            try:
-                graph, outs = self._capture(piece, static)
-            except Exception as e:  # noqa: BLE001 - the piece stays eager, with the reason
-                return None, _capture_failed(e)
-        end.record()
-        torch.cuda.synchronize()
-        self.capture_seconds += start.elapsed_time(end) / 1e3
-        self.graph_allocated_bytes += torch.cuda.memory_allocated() - allocated
-        self.graph_reserved_bytes += torch.cuda.memory_reserved() - reserved
-        self.captured += 1
-        self._graphs.add(graph)
-        self.staging_bytes += piece.staging_bytes
+        reason = self._warm_up(piece, args)
+        if reason:
+            return reason
+        try:
+            return self._capture(piece, static)
+        except Exception as e:  # noqa: BLE001 - the piece stays eager, with the reason
+            return _capture_failed(e)
+
+    def _replayer(self, piece, args, static, graph, outs) -> Callable:
         fixed_storages = {a.untyped_storage().data_ptr() for a, f in zip(args, piece.fixed)
                           if f and isinstance(a, torch.Tensor)}
         clone = [self.copy_outputs and esc and isinstance(o, torch.Tensor)
@@ -144,7 +162,7 @@ class CudaGraphBackend:
             return tuple(o.clone() if c else o for o, c in zip(outs, clone))
 
         replay.graph = graph
-        return replay, None
+        return replay
 
     def _stream(self) -> torch.cuda.Stream:
         """The side stream warm-ups and captures run on (made again if the current device
