@@ -1,5 +1,6 @@
 """The house rules a reader relies on: no import cycle inside the package, no module past what one
-reader can hold. Walks the source, so it fails when a change breaks either."""
+reader can hold, no function past what one screen shows. Walks the source, so it fails when a
+change breaks any of them."""
 import ast
 import pathlib
 import subprocess
@@ -11,7 +12,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # package name -> directory, as pyproject.toml installs them
 PACKAGES = {"cadence_fx": ROOT / "cadence_fx", "cadence_fx.models": ROOT / "cadence_fx" / "models",
-            "cadence_fx.passes": ROOT / "passes", "cadence_fx.adapters": ROOT / "adapters"}
+            "cadence_fx.passes": ROOT / "passes", "cadence_fx.adapters": ROOT / "adapters",
+            "cadence_fx.serve": ROOT / "cadence_fx" / "serve"}
+MAX_FUNCTION_LINES = 60   # CONTRIBUTING.md, "Short functions"
 MAX_LINES = 420   # "about 400" (CONTRIBUTING.md, "Short functions"), with a little slack for a docstring
 
 
@@ -74,6 +77,15 @@ def test_no_import_cycle_between_modules():
 def test_module_fits_one_reader(name, path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{name} has {lines} lines; split it along the architecture"
+
+
+@pytest.mark.parametrize("name,path", [(n, p) for n, _, p in _modules()], ids=lambda v: str(v))
+def test_no_function_is_longer_than_a_screen(name, path):
+    long = [f"{f.name} ({f.end_lineno - f.lineno + 1} lines, line {f.lineno})"
+            for f in ast.walk(ast.parse(path.read_text()))
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, f"{name}: {', '.join(long)}; split each into the steps it is made of"
 
 
 def test_the_command_line_help_does_not_import_torch():
