@@ -260,8 +260,8 @@ class Adapter:
                                     "name; give integers, clock names or a range")
         widths = self.prompt_widths()
         if widths[0] <= 0:
-            raise ContractError(f"{where}: prompt length {widths[0]} is not positive; a prompt "
-                                "has at least one frame")
+            raise ContractError(f"{where}: prompt length {widths[0]} is not positive; give "
+                                "lengths of at least one frame (a prompt has one)")
         if len(widths) > self.width_limit:
             raise ContractError(f"{where}: {len(widths)} prompt lengths, over the width limit "
                                 f"{self.width_limit} (each is a class); declare fewer (a coarser "
