@@ -9,6 +9,8 @@ results bit for bit.
   structure, dict keys and lengths, and ``torch.equal`` on every pair of tensors. With
   ``bits=True`` floats are compared by their bit patterns (``bits``): ``torch.equal`` calls -0.0
   and +0.0 equal and finds a NaN unequal to itself.
+* ``side_by_side(ours, stock, xs, start)``: each chunk through a compiled step and the stock
+  module, each from its own last state, yielding both results per chunk.
 * ``window_adapter(name, shape, w=, c=)``: the small adapter most hand-written steps need, one
   region ``k`` kept as a sliding window of ``W`` frames, read from ``cache.k``, returned as
   ``1.k``, ``c`` frames per call of ``x``.
@@ -24,7 +26,7 @@ import torch
 from cadence_fx.contract import APPEND, Adapter, Region, SlidingWindow
 from cadence_fx.replay_stand_in import Capture, StandInBackend
 
-__all__ = ["stream", "same", "bits", "window_adapter", "StandInBackend", "Capture"]
+__all__ = ["stream", "side_by_side", "same", "bits", "window_adapter", "StandInBackend", "Capture"]
 
 _INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
         torch.bfloat16: torch.int16}
@@ -46,6 +48,18 @@ def stream(step, xs, start, key: str, *, reset_at: Optional[int] = None,
             y, state = step(x, state)
         outs.append((y.clone(), state[key].clone()))
     return outs
+
+
+def side_by_side(ours, stock, xs, start, *, state_at: int = 1):
+    """``ours(x, state)`` and ``stock(x, state)`` for every chunk under ``torch.no_grad()``, each
+    from its own last state (its result's ``state_at``-th item), both from ``start``: yields
+    ``(got, want)`` per chunk before the next call, so a test may check or change them."""
+    got_state = want_state = start
+    for x in xs:
+        with torch.no_grad():
+            got, want = ours(x, got_state), stock(x, want_state)
+        yield got, want
+        got_state, want_state = got[state_at], want[state_at]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

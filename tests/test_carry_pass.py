@@ -30,6 +30,7 @@ from cadence_fx.counters import Counters
 from cadence_fx.errors import CadenceError, ShadowMismatch
 from cadence_fx.fx_utils import aten
 from cadence_fx.tracing import leaves_with_paths, trace_step
+from helpers import side_by_side
 
 carry_pass = importlib.import_module("cadence_fx.passes.carry_retention")  # the module, not the function
 carry_window = importlib.import_module("cadence_fx.passes._carry_window")
@@ -864,15 +865,11 @@ def test_a_full_reduction_over_the_state_is_bit_exact():
     model = SumsItsState()
     compiled = cadence_fx.compile(model, _window_adapter(4, 2))
     g = torch.Generator().manual_seed(2)
-    ours = ref = torch.zeros(1, 2, 0)
-    same = []
-    for _ in range(6):
-        x = torch.randn(1, 2, 2, generator=g)
-        with torch.no_grad():
-            (y, ours), (y_ref, ref) = compiled(x, ours), model(x, ref)
-        same.append(torch.equal(y, y_ref) and torch.equal(ours, ref))
+    xs = [torch.randn(1, 2, 2, generator=g) for _ in range(6)]
+    equal = [torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+             for got, want in side_by_side(compiled, model, xs, torch.zeros(1, 2, 0))]
     assert compiled.counters.compiled_calls == 6
-    assert same == [True] * 6, same
+    assert equal == [True] * 6, equal
 
 
 # -- the envelope rewrite (passes/_carry_envelope.py) ------------------------------------------------
@@ -940,11 +937,8 @@ def _envelope_stream(read, spare=0.0, entry=False):
     model = EnvelopeReads(read, spare)
     compiled = cadence_fx.compile(EnvelopeReads(read, spare), _envelope_adapter())
     g = torch.Generator().manual_seed(4)
-    ours = ref = torch.zeros(1, 2, 0)
-    for _ in range(3):
-        x = torch.randn(1, 2, 2, generator=g)
-        with torch.no_grad():
-            (y, ours), (y_ref, ref) = compiled(x, ours), model(x, ref)
+    xs = [torch.randn(1, 2, 2, generator=g) for _ in range(3)]
+    for (y, ours), (y_ref, ref) in side_by_side(compiled, model, xs, torch.zeros(1, 2, 0)):
         assert torch.equal(y, y_ref) and torch.equal(ours, ref)
     assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (3, 0)
     (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
@@ -1035,14 +1029,11 @@ def test_a_view_of_a_view_of_the_concatenation_is_handed_out_as_a_copy():
     model = HandsOutAViewOfTheWindow()
     compiled = cadence_fx.compile(model, _window_adapter(4, 2))
     g = torch.Generator().manual_seed(5)
-    ours = ref = torch.zeros(1, 2, 0)
+    xs = [torch.randn(1, 2, 2, generator=g) for _ in range(5)]
     held = []
-    for _ in range(5):
-        x = torch.randn(1, 2, 2, generator=g)
-        with torch.no_grad():
-            (y, ours, first), (y_ref, ref, first_ref) = compiled(x, ours), model(x, ref)
-        assert torch.equal(y, y_ref) and torch.equal(ours, ref)
-        held.append((first, first_ref))
+    for got, want in side_by_side(compiled, model, xs, torch.zeros(1, 2, 0)):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        held.append((got[2], want[2]))
     assert all(torch.equal(a, b) for a, b in held)   # none changed under a later call
     assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (5, 0)
     (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
@@ -1134,11 +1125,8 @@ def test_a_result_viewing_an_envelope_of_the_carrys_shape_is_handed_out_as_a_cop
     model = EnvelopeOfTheCarrysShape()
     compiled = cadence_fx.compile(EnvelopeOfTheCarrysShape(), _envelope_adapter(slots=1, frames=6))
     g = torch.Generator().manual_seed(7)
-    ours = ref = torch.zeros(1, 2, 0)
-    for i in range(4):
-        x = torch.randn(1, 2, 2, generator=g)
-        with torch.no_grad():
-            (y, ours), (y_ref, ref) = compiled(x, ours), model(x, ref)
+    xs = [torch.randn(1, 2, 2, generator=g) for _ in range(4)]
+    for i, ((y, ours), (y_ref, ref)) in enumerate(side_by_side(compiled, model, xs, torch.zeros(1, 2, 0))):
         assert torch.equal(y, y_ref) and torch.equal(ours, ref)
         if i >= 2:   # extents 0, 2, then 4 (the steady class)
             carry = compiled.carries["k"].tensor
@@ -1545,11 +1533,8 @@ def _stacked_stream(read, room=None):
     model = TwoLayerWindows(read)
     compiled = cadence_fx.compile(model, adapter)
     g = torch.Generator().manual_seed(10)
-    ours = ref = torch.zeros(2, 1, 2, 0)
-    for _ in range(4):
-        x = torch.randn(2, 1, 2, 2, generator=g)
-        with torch.no_grad():
-            (y, ours), (y_ref, ref) = compiled(x, ours), model(x, ref)
+    xs = [torch.randn(2, 1, 2, 2, generator=g) for _ in range(4)]
+    for (y, ours), (y_ref, ref) in side_by_side(compiled, model, xs, torch.zeros(2, 1, 2, 0)):
         assert torch.equal(y, y_ref) and torch.equal(ours, ref)
     assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (4, 0)
     return {key[0][0][0]: e.records for key, e in compiled.classes.items()}

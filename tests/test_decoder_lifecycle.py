@@ -41,6 +41,11 @@ def script(step, device="cpu"):
     return out
 
 
+def _same(a, b):
+    """Every output and state equal bit for bit (what tests/test_region_kernels.py imports)."""
+    return same(a, b, bits=True)
+
+
 @pytest.fixture(scope="module")
 def stock():
     return script(make_decoder())

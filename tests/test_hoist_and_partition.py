@@ -25,6 +25,7 @@ from cadence_fx.models.toy import CONV_ADAPTER, ConvLeftContextToy
 from cadence_fx.pipeline import Options
 from cadence_fx.replay import EagerBackend, GuardedPiece
 from cadence_fx.tracing import trace_step
+from helpers import side_by_side
 
 hoist_pass = importlib.import_module("cadence_fx.passes.hoist_constants")
 partition_pass = importlib.import_module("cadence_fx.passes.shape_enumeration")
@@ -297,15 +298,11 @@ def _caller_writes_the_returned_table(module, seed):
     """Three calls of one class; after each, the caller zeroes the returned table (or view)."""
     g = torch.Generator().manual_seed(seed)
     c, stock = cadence_fx.compile(module(), WINDOW), module()
-    got_cache = ref_cache = torch.zeros(1, 3, 4)
-    for _ in range(3):
-        x = torch.randn(1, 3, 2, generator=g)
-        with torch.no_grad():
-            got, want = c(x, got_cache), stock(x, ref_cache)
+    xs = [torch.randn(1, 3, 2, generator=g) for _ in range(3)]
+    for got, want in side_by_side(c, stock, xs, torch.zeros(1, 3, 4)):
         _equal(list(got), list(want))
         got[2].zero_()
         want[2].zero_()
-        got_cache, ref_cache = got[1], want[1]
     assert (c.counters.compiled_calls, c.counters.fallbacks) == (3, 0)
 
 
@@ -591,11 +588,7 @@ def test_state_attributes_are_not_constants_but_literals_are():
     assert len(ctx.records["constants"]) == 1  # the literal table, not the counter
     g = torch.Generator().manual_seed(5)
     c, stock = cadence_fx.compile(StateAttribute(), WINDOW), StateAttribute()
-    got_cache = ref_cache = torch.zeros(1, 3, 4)
-    for _ in range(4):
-        x = torch.randn(1, 3, 2, generator=g)
-        with torch.no_grad():
-            got, want = c(x, got_cache), stock(x, ref_cache)
+    xs = [torch.randn(1, 3, 2, generator=g) for _ in range(4)]
+    for got, want in side_by_side(c, stock, xs, torch.zeros(1, 3, 4)):
         _equal(list(got), list(want))
-        got_cache, ref_cache = got[1], want[1]
     assert (c.counters.compiled_calls, c.counters.fallbacks) == (4, 0)

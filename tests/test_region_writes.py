@@ -13,7 +13,7 @@ from cadence_fx import fusion
 from cadence_fx.fusion import FusedRegion
 from cadence_fx.fx_utils import WRITES, aten, written_bases
 
-from test_fuse_exact import _fused_graph, fuse_on_cpu  # noqa: F401 - fixture
+from test_fuse_exact import _fused_graph
 
 
 def _ema(x, s, off):
