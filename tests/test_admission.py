@@ -90,13 +90,18 @@ def _sig(fn):
     return inspect.signature(fn)
 
 
+def _refusal(adapter, step) -> str:
+    """The ContractError ``check_paths`` raises refusing ``adapter`` for ``step``."""
+    with pytest.raises(cadence_fx.ContractError) as e:
+        check_paths(adapter, _sig(step))
+    return str(e.value)
+
+
 def test_paths_off_the_arguments_name_the_registered_adapters_that_fit():
     def step(state, pcm):
         pass
 
-    with pytest.raises(cadence_fx.ContractError) as e:
-        check_paths(_adapter("cache.inner.a"), _sig(step))
-    assert str(e.value) == (
+    assert _refusal(_adapter("cache.inner.a"), step) == (
         "adapter 'two' does not fit this step: region 'a' reads 'cache.inner.a'; call input "
         "reads 'x', but the step's arguments are ['state', 'pcm']. "
         "Use 'moshi' or 'moshi-mimi' or 'personaplex'.")
@@ -106,9 +111,7 @@ def test_paths_off_the_arguments_with_one_region_fitting_suggest_the_select():
     def step(x, cache, *rest):
         pass
 
-    with pytest.raises(cadence_fx.ContractError) as e:
-        check_paths(_adapter("cache.a", "state.b"), _sig(step))
-    assert str(e.value) == (
+    assert _refusal(_adapter("cache.a", "state.b"), step) == (
         "adapter 'two' does not fit this step: region 'b' reads 'state.b', but the step's "
         "arguments are ['x', 'cache']. Use adapter.select('a').")
 
@@ -117,9 +120,7 @@ def test_paths_off_the_arguments_with_nothing_fitting_say_to_fix_the_paths():
     def step(y):
         pass
 
-    with pytest.raises(cadence_fx.ContractError) as e:
-        check_paths(_adapter("cache.a", name="moshi"), _sig(step))
-    assert str(e.value) == (
+    assert _refusal(_adapter("cache.a", name="moshi"), step) == (
         "adapter 'moshi' does not fit this step: region 'a' reads 'cache.a'; call input reads "
         "'x', but the step's arguments are ['y']. Fix the paths (`input`, `call_input`) to name "
         "the step's arguments.")
@@ -129,9 +130,7 @@ def test_a_registered_adapter_needs_its_call_input_too():
     def step(state, feats, input_ids):
         pass
 
-    with pytest.raises(cadence_fx.ContractError) as e:
-        check_paths(_adapter("cache.a"), _sig(step))
-    assert str(e.value).endswith("Use 'freeze-omni' or 'llm-backbone'.")
+    assert _refusal(_adapter("cache.a"), step).endswith("Use 'freeze-omni' or 'llm-backbone'.")
 
 
 def test_a_step_taking_any_keyword_fits_every_adapter():
@@ -334,9 +333,7 @@ def test_regions_deeper_than_one_key_that_fit_are_named_in_the_select():
     def step(x, cache):
         pass
 
-    with pytest.raises(cadence_fx.ContractError) as e:
-        check_paths(_adapter("cache.inner.a", "cache.inner.b", "state.c"), _sig(step))
-    assert str(e.value) == (
+    assert _refusal(_adapter("cache.inner.a", "cache.inner.b", "state.c"), step) == (
         "adapter 'two' does not fit this step: region 'c' reads 'state.c', but the step's "
         "arguments are ['x', 'cache']. Use adapter.select('a', 'b').")
 
@@ -347,9 +344,7 @@ def test_every_region_fitting_but_the_call_input_suggests_no_select():
     def step(cache):
         pass
 
-    with pytest.raises(cadence_fx.ContractError) as e:
-        check_paths(_adapter("cache.a", "cache.b"), _sig(step))
-    assert str(e.value) == (
+    assert _refusal(_adapter("cache.a", "cache.b"), step) == (
         "adapter 'two' does not fit this step: call input reads 'x', but the step's arguments are "
         "['cache']. Fix the paths (`input`, `call_input`) to name the step's arguments.")
 
