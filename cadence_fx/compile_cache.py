@@ -80,6 +80,19 @@ def _source(obj) -> str:
         return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
+def _named(obj) -> str:
+    """A class by its qualified name where its source file is hashed into the key (``_files``:
+    the file covers its source, and ``getsource`` tokenizes the file once per class, 133 times
+    for the Token2Wav flow), else by its source."""
+    try:
+        path = inspect.getsourcefile(obj)
+    except TypeError:
+        path = None
+    if path and os.path.isfile(path):
+        return f"{obj.__module__}.{obj.__qualname__}"
+    return _source(obj)
+
+
 def _files(objs) -> Dict[str, str]:
     out = {}
     for obj in objs:
@@ -132,7 +145,7 @@ class CompileCache:
             # the passes' and the runtime's source, not only the version: an edited pass never
             # reuses what the old one compiled
             "compiler": compiler_digest(),
-            "step": _source(fn), "modules": [_source(t) for t in module_types],
+            "step": _source(fn), "modules": [_named(t) for t in module_types],
             # helpers the step calls live beside it: every file defining the step or a module
             # class, and the installed version of each package they come from
             "files": _files([fn, *module_types]), "packages": _packages([fn, *module_types]),
