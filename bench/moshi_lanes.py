@@ -1,0 +1,240 @@
+"""Moshi conversations per GPU: batched frames per lane, lanes ticking in lockstep.
+
+    python bench/moshi_lanes.py [--out bench/results/<date>-h200-moshi-lanes.json]
+        [--batches 8,16,32] [--lanes 1,2] [--frames 16] [--budget-s 420]
+    python bench/moshi_lanes.py --device cpu --small --batches 2 --lanes 1,2 --frames 6   # harness
+
+A lane serves one batch of B conversations: ``MoshiStep(mimi, lm_gen, batch=B)`` compiled with the
+``moshi`` adapter at ``batch=B``, one session of ``SessionPool(compiled, lanes=L)`` per lane. A
+tick sends every lane its next 1920-sample frame (B conversations each) and waits for all of them,
+as a lockstep server does; L x B conversations are real-time when the tick's p99 is within
+``--frame-ms`` (80 ms of audio). Each lane's conversations start from their own seed and input;
+every frame's PCM and tokens are compared (``torch.equal``) with the stock loop at the same batch
+(``lm_gen.streaming(B)``, plain eager, the same seed and frames). Lanes draw device randomness
+(the LM samples), so their chunks take turns on the device (``docs/sessions.md``): more lanes
+overlap only host work; the batch is the lever. Before the timed ticks every lane runs a
+throwaway conversation (``sessions.warm_lanes``: the LM's delay-filling frames and the steady
+frame are classes of their own), and each row counts the classes still compiled during its
+ticks (``compiles``, which should be 0).
+
+Memory decides what fits: the 7B LM's KV rings take 1.57 GB per conversation (32 layers, 3000
+frames of context, bf16), so a lane of B conversations holds B x 1.57 GB of carries, and opening
+the lanes' sessions holds one more fresh state of that size until their first frame. A row that
+runs out of memory is recorded with its error and larger lane counts of that batch are skipped.
+
+What takes the time on one H200 (estimates from the batch-1 measurements: a cold compile of the
+frame's classes about 40-70 s, a warm start from the compile cache about 5 s, an eager frame
+about 150 ms): building the 7B LM, 5 s; per batch the stock references (max lanes x frames eager
+frames), 5-15 s; the first row of a batch compiles cold, 40-90 s; later rows of that batch load
+from ``--cache-dir``, about 5-10 s a lane; the ticks themselves, a few seconds. The whole default
+run (3 batches, lanes 1 and 2) should take 4-6 minutes; ``--budget-s`` stops adding rows after
+that many seconds, and ``--batches``, ``--lanes``, ``--frames`` shrink it. Each row records its
+``seconds`` per part, to check these figures against.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import cadence_fx
+from cadence_fx.models import moshi as M
+from cadence_fx.sessions import warm_lanes
+
+DEVICE = "cuda"
+WARM_FRAMES = 5   # the LM's delays fill for max_delay + 1 = 3 frames: offsets 0, 1, 2, then steady
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _frames(seed, batch, n):
+    g = torch.Generator().manual_seed(70_000 + seed)
+    return [(0.1 * torch.randn(batch, 1, 1920, generator=g)).to(DEVICE) for _ in range(n)]
+
+
+def _host(t):
+    return None if t is None else t.detach().to("cpu", copy=True)
+
+
+def _stock(mimi, lm_gen, frames, seed, batch):
+    """The stock loop at ``batch`` (moshi/server.py's per frame, plain eager): (pcm, tokens)."""
+    torch.manual_seed(seed)
+    outs = []
+    with M._plain_eager(), mimi.streaming(batch), lm_gen.streaming(batch), torch.no_grad():
+        for frame in frames:
+            tokens = lm_gen.step(mimi.encode(frame))
+            pcm = None if tokens is None else mimi.decode(tokens[:, 1:])
+            outs.append((_host(pcm), _host(tokens)))
+    return outs
+
+
+def _same(a, b):
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+               for x, y in zip(a, b))
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else None
+
+
+def _warmed(step, batch, lanes, args):
+    """The step compiled at ``batch``, its pool of ``lanes`` lanes, each lane warmed."""
+    adapter = M.moshi_adapter(M.SMALL_LM if args.small else None).with_clocks(batch=batch)
+    compiled = cadence_fx.compile(step, adapter, cache_dir=args.cache_dir)
+    pool = cadence_fx.SessionPool(compiled, lanes=lanes)
+    fresh = step.initial_state()   # regions are absorbed by copy: one fresh state opens them all
+
+    def conversation(lane):
+        sid = pool.open(fresh, seed=0, lane=lane)
+        for frame in _frames(10_000, batch, WARM_FRAMES):
+            pool.step(sid, frame)
+        pool.close(sid)
+
+    with torch.no_grad():
+        warm = warm_lanes([pool], conversation, modes=torch.no_grad)
+    return pool, fresh, warm
+
+
+def _ticks(pool, fresh, inputs):
+    """Every lane's session through its frames in lockstep ticks: tick ms, outputs per lane."""
+    sids = [pool.open(fresh, seed=1 + lane, lane=lane) for lane in range(len(inputs))]
+    outs, ticks = [[] for _ in inputs], []
+    with torch.no_grad():
+        for i in range(len(inputs[0])):
+            start = time.perf_counter()
+            results = [pool.step(sid, frames[i]) for sid, frames in zip(sids, inputs)]
+            _sync()
+            ticks.append((time.perf_counter() - start) * 1e3)
+            for lane, r in enumerate(results):
+                outs[lane].append((_host(r[0]), _host(r[1])))
+    for sid in sids:
+        pool.close(sid)
+    return ticks, outs
+
+
+def _row(mimi, lm_gen, batch, lanes, refs, inputs, args):
+    """One (batch, lanes) row: build, warm, tick, compare; everything freed after, even on an
+    error (the modules leave streaming, so the next batch's stock loop can stream)."""
+    t0, pool = time.perf_counter(), None
+    step = M.MoshiStep(mimi, lm_gen, batch=batch)
+    try:
+        pool, fresh, warm = _warmed(step, batch, lanes, args)
+        t1 = time.perf_counter()
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        ticks, outs = _ticks(pool, fresh, inputs[:lanes])
+        del fresh
+        exact = [sum(_same(a, b) for a, b in zip(got, refs[lane])) for lane, got in enumerate(outs)]
+        frames, mem = sum(len(o) for o in outs), pool.memory()
+        return {"batch": batch, "lanes": lanes, "conversations": batch * lanes,
+                "tick_p50_ms": statistics.median(ticks), "tick_p99_ms": _pct(ticks, 0.99),
+                "tick_max_ms": max(ticks), "ticks": len(ticks),
+                "realtime": _pct(ticks, 0.99) <= args.frame_ms, "bit_exact_frames": sum(exact),
+                "frames": frames, "all_bit_exact": sum(exact) == frames,
+                "compiles": pool.compiles, "warm": warm,
+                "fallbacks": sum(lane.compiled.counters.fallbacks for lane in pool.lanes),
+                "fallback_reasons": [dict(lane.compiled.counters.reasons) for lane in pool.lanes],
+                "lane_bytes": mem["lane_bytes"],
+                "carry_bytes_per_conversation": mem["lanes"][0]["carries"] / batch,
+                "peak_bytes": torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0,
+                "seconds": {"build_and_warm": t1 - t0, "ticks": time.perf_counter() - t1}}
+    finally:
+        _free(step, pool)
+
+
+def _free(step, pool):
+    for lane in (pool.lanes if pool is not None else ()):
+        lane.compiled.close()
+    step.close()   # the modules leave streaming: the stock loop or another batch can stream
+    del step, pool
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _batch_rows(mimi, lm_gen, batch, lane_counts, args, result, start, save):
+    """The stock references of ``batch`` (one per lane), then a row per lane count."""
+    t = time.perf_counter()
+    inputs = [_frames(lane, batch, args.frames) for lane in range(max(lane_counts))]
+    refs = [_stock(mimi, lm_gen, frames, 1 + lane, batch) for lane, frames in enumerate(inputs)]
+    result["stock_s"][str(batch)] = time.perf_counter() - t
+    for lanes in lane_counts:
+        if time.perf_counter() - start > args.budget_s:
+            result["skipped"].append({"batch": batch, "lanes": lanes, "why": "--budget-s"})
+            continue
+        try:
+            row = _row(mimi, lm_gen, batch, lanes, refs, inputs, args)
+        except torch.OutOfMemoryError as e:
+            result["rows"].append({"batch": batch, "lanes": lanes, "error": f"out of memory: "
+                                   f"{str(e).splitlines()[0]}"})
+            save()
+            break   # more lanes of this batch need more memory still
+        result["rows"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("fallback_reasons", "warm")}),
+              flush=True)
+        save()
+
+
+def _args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    day = datetime.date.today().isoformat()
+    ap.add_argument("--out", default=f"bench/results/{day}-h200-moshi-lanes.json")
+    ap.add_argument("--batches", default="8,16,32", help="conversations per lane")
+    ap.add_argument("--lanes", default="1,2", help="lane counts")
+    ap.add_argument("--frames", type=int, default=16, help="timed frames per conversation")
+    ap.add_argument("--frame-ms", type=float, default=80.0, help="audio per frame (the budget)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop adding rows after this")
+    ap.add_argument("--cache-dir", default=os.environ.get("CADENCE_FX_CACHE",
+                                                          "/tmp/cadence-fx-moshi-lanes"))
+    ap.add_argument("--small", action="store_true", help="the CPU-sized LM (harness checks)")
+    ap.add_argument("--device", default="cuda")
+    return ap.parse_args()
+
+
+def main():
+    global DEVICE
+    args = _args()
+    DEVICE = args.device
+    start = time.perf_counter()
+    if DEVICE == "cuda":
+        cadence_fx.pin_deterministic_kernels()
+    mimi = M.build_mimi(device=DEVICE)
+    lm_gen = M.build_lm_gen(device=DEVICE, seed=1, overrides=M.SMALL_LM if args.small else None,
+                            dtype=torch.float32 if args.small else torch.bfloat16)
+    result = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+              "torch": torch.__version__, "commit": os.environ.get("CADENCE_COMMIT", "unknown"),
+              "lm": "small" if args.small else "7B", "args": vars(args), "rows": [],
+              "skipped": [], "stock_s": {}, "build_s": time.perf_counter() - start}
+
+    def save():
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+    lane_counts = sorted(int(x) for x in args.lanes.split(","))
+    for batch in [int(x) for x in args.batches.split(",")]:
+        _batch_rows(mimi, lm_gen, batch, lane_counts, args, result, start, save)
+    good = [r for r in result["rows"] if r.get("realtime") and r.get("all_bit_exact")]
+    best = max(good, key=lambda r: (r["conversations"], -r["lanes"]), default=None)
+    result["moshi_conversations_per_gpu"] = best["conversations"] if best else 0
+    result["best"] = best and {"batch": best["batch"], "lanes": best["lanes"],
+                               "tick_p99_ms": best["tick_p99_ms"]}
+    result["all_bit_exact"] = all(r.get("all_bit_exact", False) for r in result["rows"])
+    result["wall_s"] = time.perf_counter() - start
+    save()
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
