@@ -264,7 +264,8 @@ def test_prepare_captures_before_traffic_without_touching_state():
     stock, _, _ = _stream(model, prompt_state, xs)
     compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
     before = {k: v.clone() for k, v in prompt_state.items()}
-    assert compiled.prepare(xs[0], prompt_state)
+    with torch.no_grad():   # grad mode would run stock (the weights require grad)
+        assert compiled.prepare(xs[0], prompt_state)
     assert compiled.backend.captured == 1 and compiled.counters.replays == 0
     assert all(torch.equal(prompt_state[k], before[k]) for k in before)
     ours, _, _ = _stream(compiled, prompt_state, xs)
