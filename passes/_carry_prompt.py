@@ -86,6 +86,8 @@ def find_join(b: RegionBinding, state: Node) -> Union[Join, str, None]:
     x, head, tail_start, L = found
     w = window_of(b, x, 0, L)
     if isinstance(w, str):
+        if not any(storage_key(p) in b.storages for p in x.args[0] if isinstance(p, Node)):
+            return None   # it joins values the carry does not hold: a cut copied, no join missed
         return w
     written = _written_after(x, {storage_key(x), storage_key(w.new)} | set(b.storages))
     if written is not None:
