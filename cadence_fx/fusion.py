@@ -266,6 +266,8 @@ class FusedRegion(torch.nn.Module):
         written = [args[k] for k in self.writes]
         before = [w.clone() for w in written]
         # compiled first: a region loaded as code is traced on these inputs, which runs it
+        if self.store is not None:
+            self.store.keep_code()   # the modules Inductor makes now, loaded later as code
         try:
             fused, failed = compile_region(self.stock, args, self.graph), None
         except Exception as e:  # noqa: BLE001 - the region stays stock, with the reason

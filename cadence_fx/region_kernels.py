@@ -185,13 +185,18 @@ class KernelStore:
 
     def __init__(self, root):
         self.dir = Path(root) / "kernels"
-        code_objects.install(self.dir / "code")   # Inductor's modules as code objects
         self.loads = self.stores = 0
         self.load_seconds = 0.0
         self._memory: dict = {}           # key -> StoredKernel: one callable per key per process
 
     def path(self, key: str) -> Path:
         return self.dir / f"{key[:32]}.kernel"
+
+    def keep_code(self) -> None:
+        """From now on keep Inductor's generated modules as code objects under this store
+        (``code_objects``); called where Inductor is about to run, never before (importing it
+        costs seconds a step without fused regions need not pay)."""
+        code_objects.install(self.dir / "code")
 
     def get(self, key: str) -> Optional[StoredKernel]:
         if key in self._memory:
@@ -235,6 +240,7 @@ class KernelStore:
         header, blob = found
         if header.get("verdict") == "stock":
             return StoredKernel("stock", header.get("reason"), None, header.get("layout"))
+        self.keep_code()
         try:
             fn = load_artifact(blob)
         except Exception as e:  # noqa: BLE001 - a cache entry must never break a compile
