@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cadence_fx.contract import APPEND, PREPEND, Adapter, PromptRetained, Region, SlidingWindow
+from cadence_fx.contract import APPEND, Adapter, PromptRetained, Region, SlidingWindow
 
 __all__ = ["PromptDecoder", "prompt_adapter", "make_decoder", "serve", "LAYERS", "PROMPT",
            "RETAINED", "CHUNK", "FLUSH"]

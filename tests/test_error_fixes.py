@@ -19,7 +19,7 @@ from torch import nn
 import cadence_fx
 from cadence_fx import adapters
 from cadence_fx.catalog import build_catalog
-from cadence_fx.contract import APPEND, Adapter, PromptRetained, Region, Ring, SlidingWindow
+from cadence_fx.contract import Adapter, PromptRetained, Region, Ring, SlidingWindow
 from cadence_fx.errors import ContractError, GuardError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
