@@ -42,7 +42,7 @@ from cadence_fx.fx_utils import CATS, aten, is_mutating, mutated_arg, slice_boun
 from ._carry_graph import copy_, slice_
 from ._carry_window import Window, move, rewrite_window, window_of
 
-__all__ = ["Join", "cut_of", "find_join", "prepare_join", "write_join"]
+__all__ = ["Join", "cut_of", "cut_source", "find_join", "prepare_join", "write_join"]
 
 
 @dataclasses.dataclass
@@ -55,17 +55,25 @@ class Join:
     why: str = ""    # why X stays a temporary
 
 
-def cut_of(state: Node, d: int) -> Optional[Tuple[Node, int, int, int]]:
-    """``(X, head, tail_start, L)`` if ``state`` is ``cat([X[:head], X[tail_start:L]], d)``."""
-    if state.op != "call_function" or state.target not in CATS:
+def cut_source(node: Node) -> Optional[Node]:
+    """``X`` if ``node`` concatenates two slices of one ``X`` (``cat([X[..], X[..]])``), else
+    None: the shape of a retention's cut, its bounds unchecked (``cut_of`` checks them)."""
+    if node.op != "call_function" or node.target not in CATS:
         return None
-    parts = state.args[0]
+    parts = node.args[0]
     if len(parts) != 2 or any(p.op != "call_function" or p.target is not aten.slice.Tensor
                               for p in parts):
         return None
     x = parts[0].args[0]
-    if parts[1].args[0] is not x or val(x) is None:
+    return x if parts[1].args[0] is x else None
+
+
+def cut_of(state: Node, d: int) -> Optional[Tuple[Node, int, int, int]]:
+    """``(X, head, tail_start, L)`` if ``state`` is ``cat([X[:head], X[tail_start:L]], d)``."""
+    x = cut_source(state)
+    if x is None or val(x) is None:
         return None
+    parts = state.args[0]
     L = val(x).shape[d]
     bounds = [slice_bounds(p, L) for p in parts]
     if None in bounds:

@@ -46,7 +46,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from cadence_fx.audit import check_carry_write
 from cadence_fx.context import PassContext, RegionBinding
-from cadence_fx.fx_utils import (CATS, aten, dead_code_elimination, is_mutating, mutated_arg,
+from cadence_fx.fx_utils import (aten, dead_code_elimination, is_mutating, mutated_arg,
                                  storage_key, val, view_chain)
 from cadence_fx.tracing import InputSpec
 
@@ -54,7 +54,7 @@ from ._carry_envelope import replace_envelope
 from ._carry_layout import layout_miss, layout_read
 from ._carry_graph import (carry_offset, copy_, fake_mode, out_values, output_node, set_out_value,
                            slice_)
-from ._carry_prompt import Join, cut_of, find_join, prepare_join, write_join
+from ._carry_prompt import Join, cut_of, cut_source, find_join, prepare_join, write_join
 from ._carry_stacked import Stacked, find_stacked, rewrite_stacked
 from ._carry_window import Window, find_window, move, rewrite_window
 
@@ -73,7 +73,7 @@ def carry_retention(gm: GraphModule, ctx: PassContext) -> PassResult:
             _read_input_from_carry(gm, b)
         if b.out_index is not None:
             state = out_values(outputs)[b.out_index]
-            replace_envelope(gm, ctx, b, view_chain(_retention_source(state) or state)[0])
+            replace_envelope(gm, ctx, b, view_chain(cut_source(state) or state)[0])
         if b.out_index is not None:
             modified |= _write_state(gm, ctx, b, outputs)
     dead_code_elimination(gm.graph)  # the stock concats whose results now come from the carry
@@ -101,18 +101,6 @@ def _read_input_from_carry(gm: GraphModule, b: RegionBinding) -> None:
 
 
 # -- the new state ----------------------------------------------------------------------------
-
-def _retention_source(node: Node) -> Optional[Node]:
-    """``X`` if ``node`` is ``cat([X[:P], X[L-R:L]], d)``, else None."""
-    if node.op != "call_function" or node.target not in CATS:
-        return None
-    parts = node.args[0]
-    if len(parts) != 2 or any(p.op != "call_function" or p.target is not aten.slice.Tensor
-                              for p in parts):
-        return None
-    x = parts[0].args[0]
-    return x if parts[1].args[0] is x else None
-
 
 @dataclasses.dataclass
 class _Plan:
@@ -184,7 +172,7 @@ def _plan(gm: GraphModule, ctx: PassContext, b: RegionBinding, state: Node, fram
     """Find the form the new state takes and rewrite what must change before the output: a
     window or a join made a view of the carry, per-layer windows written on their slices."""
     plan = _Plan(stock=state)
-    if _retention_source(state) is not None:
+    if cut_source(state) is not None:
         join = find_join(b, state)
         if isinstance(join, Join):
             plan.join, stock = join, prepare_join(gm, b, join, keep_stock=ctx.verify)
