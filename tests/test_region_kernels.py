@@ -51,6 +51,17 @@ def _regions(compiled):
     return [r for e in compiled.classes.values() for r in regions(e.gm)]
 
 
+def _fresh_process(tmp_path, code):
+    """Run ``code`` in a new Python with empty Inductor and Triton cache directories; returns
+    the process and the JSON of its last line."""
+    inductor, triton = tmp_path / "inductor", tmp_path / "triton"
+    inductor.mkdir(), triton.mkdir()
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor), TRITON_CACHE_DIR=str(triton))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run, json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def test_a_fresh_process_with_empty_inductor_caches_starts_warm(fuse_on_cpu, stock, tmp_path):
     """The cache directory alone makes a start warm: a child process with empty Inductor and
     Triton cache directories and no compiler loads every class and every region's code."""
@@ -83,12 +94,7 @@ def test_a_fresh_process_with_empty_inductor_caches_starts_warm(fuse_on_cpu, sto
                           "refused": k.fusions_refused, "fallbacks": k.fallbacks,
                           "kernels": warm.kernel_store.loads}}))
     """)
-    inductor, triton = tmp_path / "inductor", tmp_path / "triton"
-    inductor.mkdir(), triton.mkdir()
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor), TRITON_CACHE_DIR=str(triton))
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    run, got = _fresh_process(tmp_path, code)
     assert got == {"same": True, "traces": 0, "loads": len(cold.classes),
                    "fused": cold.counters.fused_regions, "loaded": len(found),
                    "refused": cold.counters.fusions_refused, "fallbacks": 0, "kernels": len(keys)}
@@ -316,12 +322,7 @@ def test_generated_modules_load_as_kept_code_objects(fuse_on_cpu, stock, tmp_pat
         print(json.dumps(dict(code_objects.stats, same=_same(stock, out),
                               kernels=warm.kernel_store.loads)))
     """)
-    inductor, triton = tmp_path / "inductor", tmp_path / "triton"
-    inductor.mkdir(), triton.mkdir()
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor), TRITON_CACHE_DIR=str(triton))
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    _, got = _fresh_process(tmp_path, code)
     assert got["same"] and got["kernels"] > 0
     assert got["kept"] >= got["kernels"] and got["compiled"] == 0, got
 
