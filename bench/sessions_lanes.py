@@ -62,8 +62,18 @@ def _tokens(speaker, n):
     return [torch.randint(0, 6561, (1, 28), generator=g).to(DEVICE) for _ in range(n)]
 
 
+_ALONE = {}   # speaker -> its chunks alone through stock (a stream's first n chunks do not depend on n)
+
+
 def _alone(flow, hift, speaker, n):
-    """The speaker alone through stock: mel and PCM per chunk (host)."""
+    """The speaker alone through stock: mel and PCM of its first ``n`` chunks (host). Rows reuse
+    speakers, so each speaker's stock stream runs once (again only when a row needs more chunks)."""
+    if len(_ALONE.get(speaker, ())) < n:
+        _ALONE[speaker] = _alone_run(flow, hift, speaker, n)
+    return _ALONE[speaker][:n]
+
+
+def _alone_run(flow, hift, speaker, n):
     tokens, mel_p, spk = prompt_call(flow, seed=speaker, device=DEVICE)
     gen = torch.cuda.default_generators[0] if DEVICE == "cuda" else torch.default_generator
     outside = gen.get_state()
