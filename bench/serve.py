@@ -2,6 +2,7 @@
 
     python bench/serve.py --out bench/results/DATE-h200-serve.json [--ns 4,8,10,12,14]
         [--rounds 6] [--gpus 1|2] [--lanes L] [--cache-dir DIR]
+    python bench/serve.py --out /tmp/serve.json --model toy --device cpu --ns 2 --rounds 2   # harness
 
 Both paths serve N Token2Wav sessions (flow + HiFT, the real configuration on CUDA, every session
 its own seed) round-robin, one chunk each per round: in-process through ``PoolEngine`` (the
@@ -114,13 +115,14 @@ def exact(a, b):
                for sa, sb in zip(a, b) for x, y in zip(sa, sb))
 
 
-def start_ray(gpus, cache_dir, port, lanes):
+def start_ray(name, gpus, cache_dir, port, lanes):
     import ray
     from ray import serve
     from cadence_fx.serve import build_app
     ray.init(num_gpus=gpus, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app("token2wav", gpus, cache_dir=cache_dir, num_gpus=1, lanes=lanes),
+    serve.run(build_app(name, max(gpus, 1), cache_dir=cache_dir, num_gpus=1 if gpus else 0,
+                        lanes=lanes),
               name="bench", route_prefix="/")
     return f"ws://127.0.0.1:{port}/v1/stream"
 
@@ -139,37 +141,46 @@ def main():
                     help="lanes per pool, in-process and in each replica (default 1)")
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--model", default="token2wav", help="toy: the harness check on the CPU")
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="cfx-serve-")
-    model = build("token2wav", "cuda", cache_dir)
+    model = build(args.model, args.device, cache_dir)
     engine = PoolEngine(model, lanes=args.lanes)
     warm = engine.warm()          # fills the cache the replicas start from
     ns = [int(n) for n in args.ns.split(",")]
-    url = start_ray(args.gpus, cache_dir, args.port, args.lanes)
+    url = start_ray(args.model, args.gpus if args.device == "cuda" else 0, cache_dir, args.port,
+                    args.lanes)
     rows = []
-    for n in ns:
+    for n in ns:   # the result is written after every row: a run cut short keeps what it measured
+        before = engine.counters()
         local, local_outs = inprocess(engine, model, n, args.rounds)
+        # what the in-process row ran: compiled calls and replays, and any fallback to stock
+        local["counters"] = {k: v - before[k] for k, v in engine.counters().items()}
         remote, remote_outs = through_ray(url, model, n, args.rounds, args.lanes)
         rows.append({"sessions": n, "inprocess": local, "ray": remote, "gpus": args.gpus,
                      "lanes": args.lanes,
                      "all_bit_exact": exact(local_outs, remote_outs)})
         print(json.dumps(rows[-1]), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(result_of(rows, args, warm), f, indent=1)
+
+
+def result_of(rows, args, warm):
     best_local, best_ray = largest(rows, "inprocess"), largest(rows, "ray")
     at = next((r for r in rows if r["sessions"] == best_local), rows[0])
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "commit": os.environ.get("CADENCE_COMMIT", "unknown"), "gpus": args.gpus,
-              "lanes": args.lanes,
-              "rounds": args.rounds, "budget_ms": BUDGET_MS, "warm": warm, "rows": rows,
-              "inprocess_realtime_sessions": best_local, "ray_realtime_sessions": best_ray,
-              "ray_vs_inprocess_sessions": best_ray / best_local if best_local else None,
-              "added_p99_ms": at["ray"]["chunk_p99_ms"] - at["inprocess"]["chunk_p99_ms"],
-              "all_bit_exact": all(r["all_bit_exact"] for r in rows),
-              # two replicas through Ray against the one-GPU pool in-process
-              **({"scaling_ratio": best_ray / best_local if best_local else None}
-                 if args.gpus == 2 else {}),
-              "date": datetime.date.today().isoformat()}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    return {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+            "commit": os.environ.get("CADENCE_COMMIT", "unknown"), "gpus": args.gpus,
+            "lanes": args.lanes,
+            "rounds": args.rounds, "budget_ms": BUDGET_MS, "warm": warm, "rows": rows,
+            "inprocess_realtime_sessions": best_local, "ray_realtime_sessions": best_ray,
+            "ray_vs_inprocess_sessions": best_ray / best_local if best_local else None,
+            "added_p99_ms": at["ray"]["chunk_p99_ms"] - at["inprocess"]["chunk_p99_ms"],
+            "all_bit_exact": all(r["all_bit_exact"] for r in rows),
+            # two replicas through Ray against the one-GPU pool in-process
+            **({"scaling_ratio": best_ray / best_local if best_local else None}
+               if args.gpus == 2 else {}),
+            "date": datetime.date.today().isoformat()}
 
 
 if __name__ == "__main__":

@@ -23,12 +23,14 @@ case "$STEP" in
     cat "$W/$RAY".part00 "$W/$RAY".part01 > "$W/$RAY"
     (cd "$W" && sha256sum -c ray.sha256)
     pip install --no-index --find-links "$W" "$W/$RAY[serve]" "protobuf>=3.20,<7" "websockets>=13"
+    if ls .whl/*.whl >/dev/null 2>&1; then pip install --no-deps .whl/*.whl; fi   # the model wheels
     pip install --no-deps --no-build-isolation -e .
     DATE=$(date +%F)
     OUT_JSON=bench/results/$DATE-h200-serve.json
-    CADENCE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
-      python bench/serve.py --out "$OUT_JSON" "$@"
-    [ -n "${OUT:-}" ] && cp "$OUT_JSON" "$OUT"/ || true
+    CADENCE_COMMIT=${CADENCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} \
+      python bench/serve.py --out "$OUT_JSON" "$@" || status=$?
+    [ -n "${OUT:-}" ] && cp "$OUT_JSON" "$OUT"/ || true   # rows written before a failure too
+    exit "${status:-0}"
     ;;
   *) echo "step must be 1, 2 or 3" >&2; exit 2 ;;
 esac

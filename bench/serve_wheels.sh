@@ -7,8 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=.whl_serve
 rm -rf "$OUT" && mkdir -p "$OUT/all" "$OUT/c1" "$OUT/c2" "$OUT/c3"
-# the device's Python and platform, whatever this machine is; torch and what it brings are there
-pip download --only-binary=:all: --python-version 3.11 --platform manylinux2014_x86_64 \
+# the device's Python (3.12) and platform, whatever this machine is; torch and what it brings are there
+pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$OUT/all" \
   "ray[serve]==2.56.0" "protobuf>=3.20,<7" "websockets>=13"
 rm -f "$OUT"/all/{torch,nvidia_,triton,sympy,mpmath,networkx,jinja2,MarkupSafe,fsspec,setuptools}[-_]*.whl
