@@ -28,7 +28,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import threading
 import time
+import warnings
 import weakref
 from typing import Callable, List, Optional, Tuple
 
@@ -195,14 +197,17 @@ class CudaGraphBackend:
         work on this stream, so nothing of theirs can enter the graph (Inductor's CUDA graph
         trees capture the same way)."""
         graph, rng = torch.cuda.CUDAGraph(), RngSnapshot()
-        try:
-            with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, stream=self._stream(),
-                                                   capture_error_mode="thread_local"):
-                outs = piece.module(*static)
-        except BaseException:
-            torch.cuda.synchronize()
-            rng.restore()   # a capture cut short leaves the generators as they were
-            raise
+        with _CAPTURES:
+            try:
+                with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool,
+                                                       stream=self._stream(),
+                                                       capture_error_mode="thread_local"):
+                    outs = piece.module(*static)
+            except BaseException:
+                _out_of_capture(self._stream())
+                torch.cuda.synchronize()
+                rng.restore()   # a capture cut short leaves the generators as they were
+                raise
         return graph, outs
 
     def _warm_up(self, piece, args, verify: bool = False) -> Optional[str]:
@@ -254,6 +259,29 @@ def private_stream() -> torch.cuda.Stream:
         "every pooled CUDA stream of this device is held by a live lane or capture stream (torch "
         "pools 32 per priority): close compiled steps and session pools that are no longer used "
         "(step.close(), and drop them), or serve with fewer lanes")
+
+
+# One capture at a time in the process: every capture puts the device's default generator in
+# capture mode (torch registers it with each graph), and that mode is one flag of the generator,
+# not of the thread: two threads capturing at once would each end the other's.
+_CAPTURES = threading.Lock()
+
+
+def _out_of_capture(stream: torch.cuda.Stream) -> None:
+    """Take the default generator out of capture mode after a capture that failed. A capture
+    whose end fails (``cudaStreamEndCapture`` reports it invalidated by an op not allowed in it)
+    raises before torch takes the generators registered with it out of capture mode, and nothing
+    else ever does: every later draw outside a capture, eager or a replay, then fails with
+    "Offset increment outside graph capture encountered unexpectedly". (A restarted Token2Wav
+    replica met it: HiFT's first piece, loaded compiled, failed its first capture, then its
+    warm-up and every stock call after it failed too.) An empty capture begun and ended on the
+    same stream takes the generator in and out of capture mode, on the same generator state the
+    graphs captured so far replay with."""
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings(), torch.cuda.stream(stream):
+        warnings.simplefilter("ignore")   # torch warns that the graph is empty
+        graph.capture_begin(capture_error_mode="thread_local")
+        graph.capture_end()
 
 
 def _capture_failed(e: BaseException) -> str:
