@@ -17,16 +17,15 @@ pinned): every class of both compiled steps, cold.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import median, parser, run_info, write_result  # noqa: E402
 from suite_measure import CFMStream, compile_breakdown  # noqa: E402
 
 import cadence_fx  # noqa: E402
@@ -48,10 +47,7 @@ def whole(args):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--depth", type=int, default=16)
-    ap.add_argument("--chunks", type=int, default=12)
+    ap = parser(__doc__, depth=16, chunks=12)
     ap.add_argument("--whole", action="store_true", help="the whole catalog: flow and HiFT")
     args = ap.parse_args()
     if args.whole:
@@ -67,15 +63,14 @@ def main():
         stream.run(compiled[0])
         torch.cuda.synchronize()
         cold, chunks = time.perf_counter() - t0, len(stream.xs)
-    row = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "commit": os.environ.get("CADENCE_COMMIT", "unknown"), "package": cadence_fx.__file__,
-           "catalog": "whole (flow + HiFT)" if args.whole else "CFM", "depth": args.depth,
-           "chunks": chunks, "stock_chunk_p50_ms": statistics.median(stock), "cold_pass_s": cold,
-           "classes": sum(len(c.classes) for c in compiled),
-           "replays": sum(c.counters.replays for c in compiled),
-           "fallbacks": sum(c.counters.fallbacks for c in compiled), **compile_breakdown(*compiled)}
-    with open(args.out, "w") as f:
-        json.dump(row, f, indent=1)
+    row = run_info(package=cadence_fx.__file__,
+                   catalog="whole (flow + HiFT)" if args.whole else "CFM", depth=args.depth,
+                   chunks=chunks, stock_chunk_p50_ms=median(stock), cold_pass_s=cold,
+                   classes=sum(len(c.classes) for c in compiled),
+                   replays=sum(c.counters.replays for c in compiled),
+                   fallbacks=sum(c.counters.fallbacks for c in compiled),
+                   **compile_breakdown(*compiled))
+    write_result(args.out, row)
     print(json.dumps(row))
 
 

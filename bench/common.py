@@ -10,9 +10,12 @@ and imports this module as ``common``; nothing here imports from ``tests/``.
   the milliseconds between them (device time of the work ``fn`` queued, host gaps included).
 * ``run_info()`` and ``write_result(path, result)``: the GPU, torch and commit every result file
   opens with (``CADENCE_COMMIT``, set by ``bench/device.sh``), and the file itself.
+* ``parser(__doc__, depth=16, chunks=12)``: a script's command line, ``--out`` (the result file)
+  and one whole-number option per keyword with its default.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -20,7 +23,7 @@ from typing import Callable, Sequence, Tuple, TypeVar
 
 import torch
 
-__all__ = ["DEADLINE_MS", "p95", "median", "cuda_timed", "run_info", "write_result"]
+__all__ = ["DEADLINE_MS", "p95", "median", "cuda_timed", "run_info", "write_result", "parser"]
 
 T = TypeVar("T")
 
@@ -56,3 +59,14 @@ def run_info(**extra) -> dict:
 def write_result(path: str, result: dict) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
+
+
+def parser(description: str, **numbers: int) -> argparse.ArgumentParser:
+    """``--out`` (the result file, required) and ``--<name>`` per keyword, a whole number with
+    that default (``skip_draws=3``: ``--skip-draws``); ``description`` opens ``--help``."""
+    ap = argparse.ArgumentParser(description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    for name, default in numbers.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    return ap

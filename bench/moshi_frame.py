@@ -36,19 +36,17 @@ timed frame (``graph_launches_per_frame``).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
 import os
-import statistics
 import time
 
 import torch
 
 import cadence_fx
 from cadence_fx.models import moshi as M
-from common import p95
+from common import median, p95, parser, write_result
 
 
 CUDA = torch.cuda.is_available()   # without CUDA (a smoke test of this script): host clocks
@@ -195,7 +193,7 @@ def timed(fn):
     t0 = time.perf_counter()
     outs = fn(ticks)
     sync()
-    return outs, {"p50_ms": statistics.median(ticks.times), "p95_ms": p95(ticks.times),
+    return outs, {"p50_ms": median(ticks.times), "p95_ms": p95(ticks.times),
                   **memory(), "frames": len(ticks.times), "wall_s": time.perf_counter() - t0}
 
 
@@ -284,10 +282,7 @@ class PhasePeaks:
 
 
 def _parser():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--frames", type=int, default=12)
+    ap = parser(__doc__, streams=8, frames=12)
     ap.add_argument("--small", action="store_true", help="2-layer LM (a quick check)")
     ap.add_argument("--skip-vendor", action="store_true")
     ap.add_argument("--memory-trace", action="store_true",
@@ -349,7 +344,7 @@ def main():
             t1 = time.perf_counter()
             v_ticks = Ticks()
             vendor_outs = stock_streams(mimi, lm_gen, timed_streams, reset_at, True, v_ticks, warm=warm)
-            v = {"p50_ms": statistics.median(v_ticks.times), "p95_ms": p95(v_ticks.times),
+            v = {"p50_ms": median(v_ticks.times), "p95_ms": p95(v_ticks.times),
                  **memory(), "frames": len(v_ticks.times),
                  "wall_s_incl_capture": time.perf_counter() - t1,
                  "bit_exact_frames": exact_frames(ref, vendor_outs), "status": "ok",
@@ -363,8 +358,7 @@ def main():
         c["vs_V_p50"] = c["p50_ms"] / result["V"]["p50_ms"]
     result["total_frames"] = args.streams * args.frames
     print(json.dumps(result, indent=1))
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(args.out, result)
 
 
 def cadence_row(mimi, lm_gen, args, warm, timed_streams, reset_at, ref, e):

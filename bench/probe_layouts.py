@@ -18,12 +18,13 @@ from the profiler.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 
 import torch
 import torch.nn.functional as F
+
+from common import parser, run_info, write_result
 
 
 def bits(t):
@@ -118,19 +119,13 @@ def sdpa_probe(frames, held, draws, iters):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--draws", type=int, default=20)
-    ap.add_argument("--iters", type=int, default=200)
-    a = ap.parse_args()
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "cudnn": torch.backends.cudnn.version(),
-           "conv": [conv_probe(f, a.draws, a.iters) for f in (50, 56)],
-           "sdpa": [sdpa_probe(50, held, a.draws, a.iters) for held in (302, 352)]}
+    a = parser(__doc__, draws=20, iters=200).parse_args()
+    res = run_info(cudnn=torch.backends.cudnn.version(),
+                   conv=[conv_probe(f, a.draws, a.iters) for f in (50, 56)],
+                   sdpa=[sdpa_probe(50, held, a.draws, a.iters) for held in (302, 352)])
     print(json.dumps({k: ([{x: r[x] for x in ("bit_equal", "us")} for r in v]
                           if isinstance(v, list) else v) for k, v in res.items()}, indent=1))
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_result(a.out, res)
 
 
 if __name__ == "__main__":

@@ -1,31 +1,30 @@
-"""ExactShapeReplay benchmark: stock eager vs cadence_fx on one GPU, measured in the same run.
+"""What ExactShapeReplay itself costs: stock eager vs cadence_fx on the toy stream, one GPU, in
+the same run.
 
-    python bench/replay.py --out results.json [--depth 16] [--chunks 12]
+    python bench/replay.py --out results.json [--chunks 12]
 
-Parts: (1) the toy stream (guard cost, output-copy cost); (2) the real Token2Wav CFM chunk
-(``CausalConditionalCFM.forward_chunk`` + retention, real DiT configuration, random weights)
-over a stream with turn resets and 56-frame last calls, under ``autocast("cuda", float32)`` as the
-stock loop runs it. Latency per chunk from CUDA events after a warm-up pass; p50/p95; peak
-memory by ``torch.cuda.max_memory_allocated``; bit-exactness by ``torch.equal`` on every chunk.
+The toy stream (``PromptRetainedToy``, 8 layers of 512, two turns each ending in a wider call):
+per-chunk latency by CUDA events after a warm-up pass (p50/p95/mean), compiled with and without
+``copy_outputs`` (the cost of copying outputs out of the graph's buffers), the guard's cost per
+check of one captured piece, the carry's addresses, and ``torch.equal`` on every chunk. The real
+Token2Wav CFM chunk, which this script measured too, is the suite's CFM part
+(``bench/suite.py --parts cfm``: E against SRc, R and the rest, the carry's addresses included).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
 import time
 
 import torch
 
 import cadence_fx
 from cadence_fx.replay import GuardedPiece
-from common import cuda_timed, median, p95
+from common import cuda_timed, median, p95, parser, run_info, write_result
 
 
-def stream(step, chunks, prompt_state, resets, call, autocast=False):
+def stream(step, chunks, prompt_state, resets, call):
     """Run ``step`` over ``chunks``; returns (outputs cloned, per-chunk ms, state addresses)."""
     outs, times, addresses, state = [], [], set(), prompt_state
     for i, args in enumerate(chunks):
@@ -33,7 +32,7 @@ def stream(step, chunks, prompt_state, resets, call, autocast=False):
             state = prompt_state
 
         def chunk():
-            with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float32, enabled=autocast):
+            with torch.inference_mode():
                 return call(step, args, state)
 
         (out, state), ms = cuda_timed(chunk)
@@ -115,71 +114,12 @@ def toy_part(chunks):
     return res
 
 
-def cfm_part(depth, chunks):
-    from cadence_fx import adapters
-    from cadence_fx.models.token2wav import CFMStep, build_cfm, prime_cfm
-    step = CFMStep(build_cfm(depth, device="cuda"))
-    spks, prompt = prime_cfm(step, device="cuda")
-    g = torch.Generator().manual_seed(9)
-    turn = [50] * (chunks // 2 - 1) + [56]
-    widths = turn * 2
-    xs = [(torch.randn(1, 80, w, generator=g).cuda(), torch.zeros(1, 80, w, device="cuda"))
-          for w in widths]
-    resets = {0, len(xs) // 2}
-    call = lambda s, a, state: s(a[0], spks, a[1], state)  # noqa: E731
-    stream(step, xs, prompt, resets, call, autocast=True)        # warm-up
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    stock, st_times, st_addr = stream(step, xs, prompt, resets, call, autocast=True)
-    stock_peak = torch.cuda.max_memory_allocated()
-    adapter = adapters.get("minicpmo-token2wav").select("estimator_att_cache", "estimator_cnn_cache")
-    c = cadence_fx.compile(step, adapter)
-    t0 = time.perf_counter()
-    first, first_times, _ = stream(c, xs, prompt, resets, call, autocast=True)
-    compile_stream_s = time.perf_counter() - t0
-    warm = (c.counters.replays, c.counters.fallbacks)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    ours, times, addr = stream(c, xs, prompt, resets, call, autocast=True)
-    peak = torch.cuda.max_memory_allocated()
-    traces = [e.traced.seconds for e in c.classes.values()]
-    return {
-        "depth": depth, "chunks": len(xs), "widths": widths, "turn_resets": sorted(resets),
-        "stock": {**summary(st_times), "peak_bytes": stock_peak, "state_addresses": len(st_addr)},
-        "cadence": {**summary(times), "peak_bytes": peak, "carry_addresses": len(addr),
-                    "bit_exact_chunks": sum(equal(a, b) for a, b in zip(stock, ours)),
-                    "bit_exact_first_pass": sum(equal(a, b) for a, b in zip(stock, first)),
-                    "replays_steady": c.counters.replays - warm[0],
-                    "fallbacks_steady": c.counters.fallbacks - warm[1],
-                    "counters": c.counters.as_dict(),
-                    "classes": len(c.classes), "trace_seconds": [round(t, 2) for t in traces],
-                    "capture_seconds": round(c.backend.capture_seconds, 3),
-                    "graphs_captured": c.backend.captured,
-                    "staging_bytes": c.backend.staging_bytes,
-                    "first_pass_seconds": round(compile_stream_s, 2),
-                    "carry_shape": list(c.carries["estimator_att_cache"].tensor.shape)},
-        "speedup_p50": round(median(st_times) / median(times), 3),
-    }
-
-
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--depth", type=int, default=16)
-    ap.add_argument("--chunks", type=int, default=12)
-    ap.add_argument("--skip-cfm", action="store_true")
-    args = ap.parse_args()
-    commit = os.environ.get("CADENCE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "cuda": torch.version.cuda, "python": platform.python_version(), "commit": commit,
-              "toy": toy_part(args.chunks)}
+    args = parser(__doc__, chunks=12).parse_args()
+    result = run_info(cuda=torch.version.cuda, python=platform.python_version(),
+                      toy=toy_part(args.chunks))
     print(json.dumps(result["toy"], indent=1), flush=True)
-    if not args.skip_cfm:
-        result["cfm"] = cfm_part(args.depth, args.chunks)
-        print(json.dumps(result["cfm"], indent=1), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

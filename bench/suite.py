@@ -45,15 +45,14 @@ The suite's modules, by what they measure:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import os
 import sys
 import time
 
 import torch
 
+from common import parser, run_info, write_result
 from suite_cfm import cfm_part
 from suite_measure import BLOCKS, ROW_KEYS
 from suite_moshi import moshi_part
@@ -83,14 +82,11 @@ def log_to_stderr():
 
 
 def _parser():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap = parser(__doc__, depth=16, chunks=12)
     ap.add_argument("--configs", default="E,SRc,F,S,R,Rc,V,B,T,TM",
                     help="in this order; the first cadence configuration traces cold (SRc: its "
                          "warm_pass_s is the cold compile of the catalog), later ones reuse traces")
     ap.add_argument("--parts", default="cfm,whole,moshi")
-    ap.add_argument("--depth", type=int, default=16)
-    ap.add_argument("--chunks", type=int, default=12)
     ap.add_argument("--blocks", type=int, default=BLOCKS, help="timed passes over the stream")
     ap.add_argument("--tm-timeout", type=int, default=300)
     ap.add_argument("--t-timeout", type=int, default=0,
@@ -106,15 +102,13 @@ def main():
     args = _parser().parse_args()
     log_to_stderr()
     configs = args.configs.split(",")
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "cuda": torch.version.cuda, "commit": os.environ.get("CADENCE_COMMIT", "unknown"),
-              "deterministic_kernels": "cfm: no; whole_chunk: yes (both sides)"}
+    result = run_info(cuda=torch.version.cuda,
+                      deterministic_kernels="cfm: no; whole_chunk: yes (both sides)")
     t0 = time.perf_counter()
     parts = args.parts.split(",")
 
     def write():
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(args.out, result)
 
     def save(cfm):
         result["cfm"] = cfm
@@ -125,19 +119,14 @@ def main():
 
     if "cfm" in parts:
         save(cfm_part(args, configs, save))
-    if "whole" in parts:
-        log.info("whole chunk")
-        try:
-            result["whole_chunk"] = whole_part(args)
-        except Exception as ex:  # noqa: BLE001
-            result["whole_chunk"] = {"status": f"failed: {type(ex).__name__}: {ex}"}
-        write()
-    if "moshi" in parts:
-        log.info("moshi")
-        try:
-            result["moshi"] = moshi_part(args)
-        except Exception as ex:  # noqa: BLE001
-            result["moshi"] = {"status": f"failed: {type(ex).__name__}: {ex}"}
+    for part, key, run in (("whole", "whole_chunk", whole_part), ("moshi", "moshi", moshi_part)):
+        if part in parts:   # a part that fails is recorded, and the suite goes on
+            log.info(key.replace("_", " "))
+            try:
+                result[key] = run(args)
+            except Exception as ex:  # noqa: BLE001
+                result[key] = {"status": f"failed: {type(ex).__name__}: {ex}"}
+            write()
     result["wall_s"] = time.perf_counter() - t0
     write()
     print(json.dumps({k: v for k, v in result.items() if k in ROW_KEYS or len(k) <= 3}, indent=1))

@@ -257,7 +257,8 @@ def counters_row(compiled):
     k = compiled.counters
     backend = compiled.backend
     return {"replays": k.replays, "fallbacks": k.fallbacks, "invalidations": k.invalidations,
-            "classes": len(compiled.classes), "traces": k.traces, **compile_breakdown(compiled),
+            "classes": len(compiled.classes), "traces": k.traces,
+            "carry_addresses": k.carry_addresses, **compile_breakdown(compiled),
             "graphs_captured": getattr(backend, "captured", 0),
             "staging_bytes": getattr(backend, "staging_bytes", 0),
             "released_bytes": k.released_bytes,

@@ -22,7 +22,6 @@ measured). Outputs are copied to the host at every chunk, so E's reference is no
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
@@ -32,7 +31,7 @@ import torch
 import cadence_fx
 from cadence_fx.models.token2wav import (FlowStep, HiFTStep, build_flow, build_hift,
                                          empty_hift_cache, prime_flow)
-from common import cuda_timed, median, p95, run_info, write_result
+from common import cuda_timed, median, p95, parser, run_info, write_result
 from suite_measure import BLOCKS, cleanup, compile_breakdown, ratio_ci
 
 __all__ = ["build", "run", "whole_part"]
@@ -123,11 +122,7 @@ def whole_part(args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="the suite's whole Token2Wav chunk part alone")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--depth", type=int, default=16)
-    ap.add_argument("--chunks", type=int, default=12)
-    ap.add_argument("--blocks", type=int, default=BLOCKS)
+    ap = parser(__doc__, depth=16, chunks=12, blocks=BLOCKS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = whole_part(args)

@@ -1,6 +1,7 @@
 """pytest-benchmark view of the CFM loop (GPU only):  pytest bench/test_bench_cfm.py -m gpu
 
-One steady 50-frame chunk of the real Token2Wav CFM step (DiT depth 16) at the retention's fixed
+One steady 50-frame chunk of the suite's CFM stream (``suite_measure.CFMStream``: the real
+Token2Wav CFM step at DiT depth 16, its first chunk) at the retention's fixed
 point (402 frames in, 402 out: each round feeds the previous round's state back), stock eager (E)
 against cadence_fx (SRc), each round synchronised. ``bench/suite.py`` is the full
 suite (every configuration, memory, floor); this is the quick regression check."""
@@ -16,12 +17,10 @@ pytestmark = [pytest.mark.gpu,
 @pytest.fixture(scope="module")
 def cfm():
     from cadence_fx import adapters
-    from cadence_fx.models.token2wav import CFMStep, build_cfm, prime_cfm
-    step = CFMStep(build_cfm(16, device="cuda"))
-    spks, prompt = prime_cfm(step, device="cuda")
-    g = torch.Generator().manual_seed(9)
-    mu, cond = torch.randn(1, 80, 50, generator=g).cuda(), torch.zeros(1, 80, 50, device="cuda")
-    state = prompt
+    from suite_measure import CFMStream   # the suite's CFM part: its step and first chunk
+    stream = CFMStream(16, 12)
+    step, spks, state = stream.step, stream.spks, stream.prompt
+    mu, cond = stream.xs[0]
     with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float32):
         for _ in range(2):                            # 302 -> 352 -> 402 frames
             _, state = step(mu, spks, cond, state)
