@@ -49,17 +49,15 @@ class ClassEntry:
 
 def compile_class(cs, key, named) -> Optional[ClassEntry]:
     """Compile the class ``key`` of the compiled step ``cs`` (a ``runtime.CompiledStep``, whose
-    stores it fills) from the call ``named``; None when it is rejected (the
-    reason is in ``cs._rejected``). Released envelopes get their storage back for the whole of it
+    class store it fills) from the call ``named``; None when it is rejected (the
+    reason is ``cs.store.verdict(key)``). Released envelopes get their storage back for the whole of it
     and are released again afterwards, with any this class newly replaced."""
     with cs.envelopes.held_back() as replaced:
         return _compile(cs, key, named, replaced)
 
 
 def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
-    # stock code may register buffers lazily, after ``compile`` (Mimi's codebook cache)
-    cs._params.update(cs.module.named_parameters())
-    cs._buffers.update(cs.module.named_buffers())
+    cs.tensors.refresh()   # stock code may register buffers lazily (Mimi's codebook cache)
     label = _label(cs, key)
     progress.note("%s: compiling ...", label, running=True)
     entry = _load_compiled(cs, key, named, replaced, label)
@@ -67,31 +65,30 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
         return entry
     traced = _trace(cs, key, named)
     if traced is None:
-        progress.note("%s: runs the stock step (%s)", label, cs._rejected.get(key, "not traced"))
+        progress.note("%s: runs the stock step (%s)", label, cs.store.verdict(key) or "not traced")
         return None
     if cs.backend is None:
         cs.backend = choose_backend(cs, named)
     probe_start = time.perf_counter()
     reason = probe_effects(cs, traced, named)
     probe_s = time.perf_counter() - probe_start
-    # the stock call may have registered module state lazily (Mimi's codebook cache)
-    cs._params.update(cs.module.named_parameters())
-    cs._buffers.update(cs.module.named_buffers())
+    cs.tensors.refresh()   # the stock call may have registered module state lazily
     if reason is not None:
         return _reject(cs, key, label, f"class {key[0]} rejected: {reason}", reason)
     bindings = _bind_regions(cs, traced)
     written_before = {spec.name for spec in written_inputs(traced.gm, traced.inputs)
                       if spec.kind == "buffer"}
     ctx = PassContext(adapter=cs.adapter, class_key=key[0], inputs=list(traced.inputs),
-                      regions=bindings, module_buffers=cs._buffers, verify=cs.verify,
-                      auditor=cs.auditor, backend=cs.backend, counters=cs.counters,
-                      strict=cs.strict, constant_ids=cs._constant_ids,
-                      alias_state=cs.options.alias_state and not cs.options.state_rule)
+                      regions=bindings, module_buffers=cs.tensors.buffers,
+                      verify=cs.config.verify, auditor=cs.auditor, backend=cs.backend,
+                      counters=cs.counters, strict=cs.config.strict,
+                      constant_ids=cs.tensors.constant_ids,
+                      alias_state=cs.config.options.alias_state and not cs.config.options.state_rule)
     ctx.records["probe_s"] = probe_s
     try:
-        gm = run_pipeline(traced.gm, ctx, cs._pipeline)
+        gm = run_pipeline(traced.gm, ctx, cs.pipeline)
     except PassFailed as e:
-        if cs.strict:
+        if cs.config.strict:
             raise
         return _reject(cs, key, label, f"class {key[0]} runs the stock step: {e}", str(e))
     # fused regions take the code and verdicts an earlier class or process stored
@@ -102,7 +99,7 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
 def _reject(cs, key, label: str, logged: str, reason: str) -> None:
     """The class runs the stock step, with ``reason``; its trace is kept for the compile cache."""
     log.warning("%s", logged)
-    cs._rejected[key] = reason
+    cs.store.reject(key, reason)
     _store_trace(cs, key)
     progress.note("%s: runs the stock step (%s)", label, reason)
     return None
@@ -111,7 +108,7 @@ def _reject(cs, key, label: str, logged: str, reason: str) -> None:
 def _enter(cs, key, label: str, traced, gm, ctx, bindings, replaced: set,
            written_before: set) -> ClassEntry:
     """The class entry of a rewritten graph: its buffers kept private, its staging predicted,
-    its carry writes counted; recorded in ``cs.classes`` and the compile cache."""
+    its carry writes counted; recorded in ``cs.store`` and the compile cache."""
     # Buffers the rewritten step still writes get a private copy: the user's module is never
     # written by the compiled path (envelopes replaced by carries are gone by now).
     newly_replaced = written_before - {spec.name for spec in ctx.inputs if spec.kind == "buffer"}
@@ -130,7 +127,7 @@ def _enter(cs, key, label: str, traced, gm, ctx, bindings, replaced: set,
         writes=len(writes), retentions=sum(w["kind"] == "retention" for w in writes),
         materializations=sum(w["kind"] == "materialize" for w in writes),
         traced_nodes=len(traced.gm.graph.nodes))
-    cs.classes[key] = entry
+    cs.store.add(entry)
     _warn_room(cs, key, writes)
     if cs.compile_cache is not None:
         _store_compiled(cs, entry, private, newly_replaced,
@@ -149,8 +146,7 @@ def _warn_room(cs, key, writes) -> None:
     once per region, with the class and the room it needs."""
     for w in writes:
         if w["kind"] == "materialize" and "give the region `room`" in w["detail"] \
-                and ("room", w["region"]) not in cs._warned:
-            cs._warned.add(("room", w["region"]))
+                and cs.store.warn_once(("room", w["region"])):
             log.warning("region %r is copied whole on every call of class %s (materialized) where "
                         "room would keep it in place: %s", w["region"], key[0],
                         w["detail"].split("because ", 1)[-1])
@@ -160,23 +156,20 @@ def _keep_buffers(cs, key, records, replaced: set, newly_replaced, private) -> N
     """Envelopes this class replaced are released with the others (``release_envelopes``); the
     buffers its graph still writes get a private copy: the compiled path never writes the user's
     module."""
-    if cs.release_envelopes:
+    if cs.config.release_envelopes:
         replaced |= set(newly_replaced)
         for miss in records["near_misses"]:   # a declared envelope kept: say so, once
-            if miss["detail"].startswith("envelope ") and miss["detail"] not in cs._warned:
-                cs._warned.add(miss["detail"])
+            if miss["detail"].startswith("envelope ") and cs.store.warn_once(miss["detail"]):
                 log.warning("release_envelopes=True, but region %s keeps its stock envelope in "
                             "class %s: %s", miss["region"], key[0], miss["detail"])
     for name in private:
-        if name not in cs._private:
-            with torch.inference_mode(False):   # written in place under any later mode
-                cs._private[name] = cs._buffers[name].detach().clone()
+        cs.tensors.keep_private(name)
 
 
 def _load_compiled(cs, key, named, replaced: set, label: str) -> Optional[ClassEntry]:
     """The class as the persistent compile cache stored it after its passes (``stored_class``):
     no trace, no passes, no probationary call. None when it is not there or cannot be used."""
-    if cs.compile_cache is None or cs.verify:
+    if cs.compile_cache is None or cs.config.verify:
         return None
     payload = cs.compile_cache.load_class(key)
     if payload is None:
@@ -203,7 +196,7 @@ def _load_compiled(cs, key, named, replaced: set, label: str) -> Optional[ClassE
         return None
     _keep_buffers(cs, key, entry.records, replaced, payload["replaced"], payload["private"])
     entry.records["load_s"] = time.perf_counter() - start
-    cs.classes[key] = entry
+    cs.store.add(entry)
     _warn_room(cs, key, entry.records["rewrites"])
     cs.counters.cache_loads += 1
     cs.counters.compiled_loads += 1
@@ -224,13 +217,13 @@ def _store_compiled(cs, entry: ClassEntry, private, newly_replaced, carries) -> 
         _store_trace(cs, entry.key)
         return
     cs.compile_cache.store_class(entry.key, payload)
-    cs._unstored.pop(entry.key, None)
+    cs.store.take_unstored(entry.key)
 
 
 def _store_trace(cs, key) -> None:
     """Cache the trace of a class traced in this process and not stored compiled: one that
     cannot be, or one that runs the stock step (a restart then skips its trace)."""
-    traced = cs._unstored.pop(key, None)
+    traced = cs.store.take_unstored(key)
     if traced is not None and cs.compile_cache is not None:
         cs.compile_cache.store(key, traced)
 
@@ -246,25 +239,24 @@ def _label(cs, key) -> str:
 def _trace(cs, key, named) -> Optional[TracedStep]:
     """The class's aten graph: a copy of a shared trace, the persistent compile cache's, or a
     fresh make_fx trace (then shared, and kept for the compile cache: ``_store_trace``)."""
-    cache_key = (id(cs.module), getattr(cs._fn, "__func__", cs._fn), key)
-    cached = None if cs.trace_cache is None else cs.trace_cache.get(cache_key)
+    cached = cs.store.shared_trace(key)
     if cached is not None:
         return copy_traced(cached)
     if cs.compile_cache is not None:
         loaded = cs.compile_cache.load(key)
         if loaded is not None:
             cs.counters.cache_loads += 1
-            _keep(cs, cache_key, key, loaded)
+            _keep(cs, key, loaded)
             return loaded
     rng = RngSnapshot()  # tracing runs the step's Python code: keep its draws invisible
     try:
-        traced = trace_step(cs.module, cs._fn, named, tracing_mode=cs.tracing_mode,
-                            repeated=cs._repeated)
+        traced = trace_step(cs.module, cs.fn, named, tracing_mode=cs.config.tracing_mode,
+                            repeated=cs.repeated)
     except TraceError as e:
-        if cs.strict:
+        if cs.config.strict:
             raise
         log.warning("class %s runs the stock step: %s", key[0], e)
-        cs._rejected[key] = f"could not be traced: {e}"
+        cs.store.reject(key, f"could not be traced: {e}")
         return None
     finally:
         rng.restore()
@@ -272,22 +264,21 @@ def _trace(cs, key, named) -> Optional[TracedStep]:
     cs.counters.copied_calls += traced.copied_calls
     for method, why in traced.refused.items():
         log.info("class %s: %s traced at every call: %s", key[0], method, why)
-    kept = _keep(cs, cache_key, key, traced)
+    kept = _keep(cs, key, traced)
     if cs.compile_cache is not None:
         # stored once the class is compiled, and only if the class itself cannot be (pickling
         # the fake values costs about as much as tracing): a copy the passes leave untouched
-        cs._unstored[key] = kept or copy_traced(traced)
+        cs.store.hold_unstored(key, kept or copy_traced(traced))
     return traced
 
 
-def _keep(cs, cache_key, key, traced: TracedStep) -> Optional[TracedStep]:
+def _keep(cs, key, traced: TracedStep) -> Optional[TracedStep]:
     """Keep a copy of the trace the passes are about to rewrite: shared, or for the report.
     Returns the copy kept, if any."""
-    kept = None
-    if cs.trace_cache is not None:
-        kept = cs.trace_cache[cache_key] = copy_traced(traced)
-    elif cs.keep_before:
-        kept = cs.before[key] = copy_traced(traced)
+    if not cs.store.keeps_traces():
+        return None
+    kept = copy_traced(traced)
+    cs.store.keep_trace(key, kept)
     return kept
 
 
@@ -302,7 +293,7 @@ def _bind_regions(cs, traced: TracedStep) -> List[RegionBinding]:
         if r.output not in out_pos and r.fixed_address:
             raise ContractError(f"region {r.name!r}: output path {r.output!r} is not a tensor "
                                 f"result of the step (results: {traced.out_paths}); fix `output`")
-        if r.fixed_address and cs.options.state_rule:
+        if r.fixed_address and cs.config.options.state_rule:
             if r.name not in cs.carries:   # the priming pass: the carry is made for its result
                 like = traced.gm.graph.output_node().args[0][out_pos[r.output]].meta["val"]
                 cs.admission.allocate(r, like, cs.carries)
@@ -316,14 +307,14 @@ def probe_effects(cs, traced: TracedStep, named) -> Optional[str]:
     stream, where the warm-ups and captures run: a second stream would hold BLAS workspaces of
     its own for the life of the process."""
     leaves = dict(leaves_with_paths(named)[0])
-    written = [cs._buffers[s.name] if s.kind == "buffer" else leaves[s.name]
+    written = [cs.tensors.buffers[s.name] if s.kind == "buffer" else leaves[s.name]
                for s in written_inputs(traced.gm, traced.inputs) if s.kind in ("buffer", "arg")]
     written += [c.tensor for c in cs.carries.values()]
     written += mutated_attributes(traced.gm)  # module state in plain tensor attributes
     state, rng = TensorSnapshot(written), RngSnapshot()
     try:
         with torch.no_grad(), getattr(cs.backend, "side_stream", contextlib.nullcontext)():
-            cs._fn(**named)
+            cs.fn(**named)
     finally:
         effects = rng.effects()
         state.restore()
@@ -335,10 +326,10 @@ def choose_backend(cs, named):
     """CUDA graphs when the call or the weights are on CUDA and graphs are on, else guarded eager."""
     on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda
                   for _, v in leaves_with_paths(named)[0])
-    on_cuda = on_cuda or any(p.is_cuda for p in cs._params.values())
-    if cs.graphs and on_cuda:
+    on_cuda = on_cuda or cs.tensors.on_cuda()
+    if cs.config.graphs and on_cuda:
         from .cudagraphs import CudaGraphBackend
-        return CudaGraphBackend(copy_outputs=cs.copy_outputs)
+        return CudaGraphBackend(copy_outputs=cs.config.copy_outputs)
     return EagerBackend()
 
 

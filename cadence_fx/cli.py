@@ -168,8 +168,9 @@ def _stream_report(model: str, chunks: Optional[int], verify: bool, full: bool =
     stream = BUILDERS[model](torch.device("cpu"), chunks, full=full)
     if stream.prepare_compiled is not None:
         stream.prepare_compiled()
+    import dataclasses
     for step in stream.steps.values():
-        step.verify = step.verify or verify
+        step.config = dataclasses.replace(step.config, verify=step.config.verify or verify)
     stream.compiled(lambda i: None)
     notes = {"model": model, "device": "cpu", "chunks": stream.chunks, "shadow audit": verify,
              **{k: str(v) for k, v in stream.config.items()}}

@@ -119,7 +119,7 @@ def _packages(objs) -> Dict[str, str]:
 
 
 def _devices(cs) -> list:
-    devices = sorted({t.device for t in list(cs._params.values()) + list(cs._buffers.values())
+    devices = sorted({t.device for t in [*cs.tensors.params.values(), *cs.tensors.buffers.values()]
                       if t.device.type == "cuda"}, key=str)
     if not devices:
         return []
@@ -137,7 +137,7 @@ class CompileCache:
 
     def __init__(self, root, cs):
         import cadence_fx
-        fn = getattr(cs._fn, "__func__", cs._fn)
+        fn = getattr(cs.fn, "__func__", cs.fn)
         module_types = sorted({type(m) for m in cs.module.modules()},
                               key=lambda t: f"{t.__module__}.{t.__qualname__}")
         parts = {
@@ -149,13 +149,13 @@ class CompileCache:
             # helpers the step calls live beside it: every file defining the step or a module
             # class, and the installed version of each package they come from
             "files": _files([fn, *module_types]), "packages": _packages([fn, *module_types]),
-            "adapter": repr(cs.adapter), "options": repr(cs.options),
-            "tracing_mode": cs.tracing_mode,
+            "adapter": repr(cs.adapter), "options": repr(cs.config.options),
+            "tracing_mode": cs.config.tracing_mode,
             # what the passes decided for this machine (which convolution backend, which
             # attention kernel): the devices the weights are on, their name and the cuDNN build
             "devices": _devices(cs),
             "tensors": [(n, tuple(t.shape), str(t.dtype), t.device.type)
-                        for n, t in list(cs._params.items()) + list(cs._buffers.items())],
+                        for n, t in [*cs.tensors.params.items(), *cs.tensors.buffers.items()]],
         }
         self.step_key = _digest(json.dumps(parts, sort_keys=True, default=str))
         self.dir = Path(root) / self.step_key[:24]

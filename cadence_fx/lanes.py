@@ -45,7 +45,7 @@ class Lane:
     def classes_met(self) -> int:
         """Classes the lane's step has seen: compiled, left stock, or compiling in the background."""
         cs = self.compiled
-        return len(cs.classes) + len(cs._rejected) + len(cs.background.pending)
+        return cs.store.met() + len(cs.background.pending)
 
     def note_compiles(self, sid: int, chunk: int, before: int, seconds: float) -> None:
         """Log the classes a call of session ``sid`` met first (``before``: ``classes_met()``
@@ -79,7 +79,7 @@ class Lane:
         cs = self.compiled
         backend = cs.backend
         return {"carries": sum(_nbytes(c.tensor) for c in cs.carries.values()),
-                "private_buffers": sum(_nbytes(t) for t in cs._private.values()),
+                "private_buffers": sum(_nbytes(t) for t in cs.tensors.private.values()),
                 "graphs_allocated": getattr(backend, "graph_allocated_bytes", 0),
                 "graphs_reserved": getattr(backend, "graph_reserved_bytes", 0)}
 
@@ -96,7 +96,7 @@ def make_lanes(compiled, n: int, backend_for_lane: Optional[Callable[[int], obje
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"lanes={n!r}: give a positive number of lanes (1 serves every session "
                          "from one set of carries and graphs)")
-    if n > 1 and getattr(compiled, "donate_state", False):
+    if n > 1 and compiled.config.donate_state:
         raise ValueError("lanes > 1 with donate_state=True: a donated state becomes one lane's "
                          "carry; compile without donate_state")
     on_cuda = any(p.is_cuda for p in compiled.module.parameters())
@@ -114,17 +114,11 @@ def make_lanes(compiled, n: int, backend_for_lane: Optional[Callable[[int], obje
 def _lane_step(compiled, backend):
     """A compiled step like ``compiled``: same module, adapter and options; its own carries,
     private buffers and backend; the first lane's envelopes and traces."""
+    import dataclasses
     from .runtime import CompiledStep
-    if compiled.trace_cache is None:
-        compiled.trace_cache = {}
-    fn = getattr(compiled._fn, "__func__", compiled._fn)
-    for key, traced in compiled.before.items():   # traces lane 0 made before sharing began
-        compiled.trace_cache.setdefault((id(compiled.module), fn, key), traced)
-    lane = CompiledStep(compiled.step, compiled.adapter, compiled.module, verify=compiled.verify,
-                        strict=compiled.strict, options=compiled.options, backend=backend,
-                        tracing_mode=compiled.tracing_mode, graphs=compiled.graphs,
-                        copy_outputs=compiled.copy_outputs, trace_cache=compiled.trace_cache,
-                        keep_before=False)
-    lane.release_envelopes, lane.envelopes = compiled.release_envelopes, compiled.envelopes
+    config = dataclasses.replace(compiled.config, keep_before=False, cache_dir=None,
+                                 donate_state=False)
+    lane = CompiledStep(compiled.step, compiled.adapter, compiled.module, config, backend=backend,
+                        trace_cache=compiled.store.share_traces(), envelopes=compiled.envelopes)
     lane.kernel_store = compiled.kernel_store
     return lane

@@ -34,25 +34,24 @@ def prepare(cs, args, kwargs, work: Optional[Dict[str, int]] = None) -> bool:
     ``work``, when given, gets the compile counters' increments (``WORK``) and ``graphs``, the
     device graphs captured."""
     graphs = getattr(cs.backend, "captured", 0)
-    snapshot = TensorSnapshot([c.tensor for c in cs.carries.values()] + list(cs._private.values()))
+    snapshot = TensorSnapshot([c.tensor for c in cs.carries.values()]
+                              + list(cs.tensors.private.values()))
     rng, counters = RngSnapshot(), copy.deepcopy(cs.counters)
     handed_out = {name: c.handed_out for name, c in cs.carries.items()}
     entry = None
-    # an example is not the stream's state: it is copied into the carries, never taken over
-    donate, cs.donate_state = cs.donate_state, False
     try:
         with cs.background.inline():   # a priming class is compiled here, not in a thread
-            entry, by_path, _ = cs._select(args, kwargs)
+            # an example is not the stream's state: copied into the carries, never taken over
+            entry, by_path, _ = cs.select(args, kwargs, donate=False)
         if entry is not None:
             written = TensorSnapshot(
                 [v for v in by_path.values() if isinstance(v, torch.Tensor)]
-                + [c.tensor for c in cs.carries.values()] + list(cs._private.values()))
+                + [c.tensor for c in cs.carries.values()] + list(cs.tensors.private.values()))
             try:
-                cs._run(entry, by_path)
+                cs.run(entry, by_path)
             finally:
                 written.restore()
     finally:
-        cs.donate_state = donate
         snapshot.restore()
         rng.restore()
         if work is not None:
@@ -91,7 +90,7 @@ def capture_catalog(cs, args, kwargs, priming_example=None) -> Preparation:
     """Compile every class of the catalog from one example call, then the priming class of each
     declared prompt length (see ``CompiledStep.capture_catalog``). Returns a ``Preparation``:
     ``{(extents, width): compiled}`` with what it did."""
-    named = bind_arguments(cs._arguments, args, kwargs)
+    named = bind_arguments(cs.arguments, args, kwargs)
     done = Preparation()
     done.rows, done.work, done.not_prepared = [], {}, _not_prepared(cs.adapter)
     if cs.admission.excluded:   # Criterion 3.5: every class runs stock, none is prepared (re-cut
@@ -143,7 +142,7 @@ def _prepare_row(cs, done: Preparation, cls: Tuple, call: dict, start: float, la
         done[cls] = prepare(cs, (), call, work)
         how = _how(cs, cls, done[cls], work)
     except Exception as e:  # noqa: BLE001 - an example the step refuses: the class is not prepared
-        if cs.strict:
+        if cs.config.strict:
             raise
         done[cls] = False
         how = (f"stock: its example failed ({type(e).__name__}: {e}); pass "
@@ -164,7 +163,7 @@ def _priming_call(cs, named, by_path, length: int, priming_example) -> dict:
     re-made at ``length``)."""
     if priming_example is not None:
         args, kwargs = priming_example(length)
-        return bind_arguments(cs._arguments, args, kwargs)
+        return bind_arguments(cs.arguments, args, kwargs)
     ad = cs.adapter
     heads = {r.input.split(".", 1)[0] for r in ad.regions}
     x = by_path.get(ad.call_input)
@@ -183,7 +182,7 @@ def _priming_call(cs, named, by_path, length: int, priming_example) -> dict:
 def _how(cs, cls: Tuple, compiled: bool, work: Dict[str, int]) -> str:
     """How the class came: made here (traced, loaded), compiled before, or left stock (why)."""
     if not compiled:
-        reason = next((r for k, r in cs._rejected.items() if k[0] == cls), None)
+        reason = next((r for k, r in cs.store.verdicts.items() if k[0] == cls), None)
         return f"stock: {reason}" if reason else "stock"
     if work["traces"]:
         return "traced"

@@ -94,19 +94,19 @@ class Background:
         from .prepare import prepare
         cs = self.cs
         try:
-            with cs._lock, _modes(key[2]):
-                if key in cs.classes or key in cs._rejected:
+            with cs.lock, _modes(key[2]):
+                if cs.store.knows(key):
                     return
                 compiled = prepare(cs, (), named)
                 cs.counters.background_compiles += 1
                 log.info("priming class %s compiled in the background (%s)", key[0],
-                         "compiled" if compiled else f"stock: {cs._rejected.get(key)}")
+                         "compiled" if compiled else f"stock: {cs.store.verdict(key)}")
         except Exception as e:  # noqa: BLE001 - the length keeps running stock, with the reason
             why = f"its background compile failed: {type(e).__name__}: {e}"
             log.warning("priming class %s: %s", key[0], why)
-            with cs._lock:
+            with cs.lock:
                 self.failures[key] = why
-                cs._rejected.setdefault(key, why)
+                cs.store.reject(key, why, keep=True)
         finally:
             self.pending.pop(key, None)
 

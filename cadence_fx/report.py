@@ -66,7 +66,7 @@ class Report:
         c = self.c
         backend = c.backend
         carry = sum(x.tensor.numel() * x.tensor.element_size() for x in c.carries.values())
-        private = sum(t.numel() * t.element_size() for t in c._private.values())
+        private = sum(t.numel() * t.element_size() for t in c.tensors.private.values())
         stock = sum(r.stock_bytes or r.declared_bytes or 0 for r in c.catalog.regions
                     if r.name in c.carries)
         return {"stock_envelope_bytes": stock, "carry_bytes": carry, "private_buffer_bytes": private,

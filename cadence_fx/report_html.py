@@ -112,7 +112,7 @@ def render(report, name: Optional[str] = None, style: bool = True, expand: bool 
     title = f"cadence_fx: {name + ': ' if name else ''}adapter {d['adapter']}"
     verdict = "admissible" if cat["admissible"] else "NOT admissible"
     summary = (f"catalog {cat['catalog_size']} classes ({verdict}), {len(c.classes)} compiled, "
-               f"{len(c._rejected)} running stock; {counters['calls']} calls, "
+               f"{len(c.store.verdicts)} running stock; {counters['calls']} calls, "
                f"{counters['compiled_calls']} compiled, {counters['fallbacks']} fallbacks; "
                f"carry addresses per region: {counters['carry_addresses']}")
     parts = [f"<style>{STYLE}</style>" if style else "",
@@ -173,7 +173,7 @@ def _counters(d) -> str:
 def _classes(c, d) -> str:
     """Every class of the catalog, in the order the stream reaches it, and any other seen."""
     seen = {key[0]: e for key, e in c.classes.items()}
-    rejected = {key[0]: why for key, why in c._rejected.items()}
+    rejected = {key[0]: why for key, why in c.store.verdicts.items()}
     by_key = {(tuple(r["extents"]), r["width"]): r for r in d["classes"]}
     rows = []
     keys = [(tuple(x["extents"]), x["width"]) for x in d["catalog"]["classes"]]

@@ -36,14 +36,8 @@ Row = Tuple[str, Optional[int], Optional[int]]   # ("eq" | "del" | "add", before
 def before_graph(compiled, entry):
     """``(graph module, input specs)`` of the class's trace before the passes, or None when the
     step kept neither that copy (``keep_before=False``) nor a trace cache."""
-    kept = getattr(compiled, "before", {}).get(entry.key)
-    if kept is not None:
-        return kept.gm, kept.inputs
-    cache = getattr(compiled, "trace_cache", None) or {}
-    for key, traced in cache.items():
-        if key[0] == id(compiled.module) and key[2] == entry.key:
-            return traced.gm, traced.inputs
-    return None
+    kept = compiled.store.trace_before(entry.key)
+    return None if kept is None else (kept.gm, kept.inputs)
 
 
 def code_lines(gm: GraphModule, inputs: Sequence) -> List[Tuple[Node, str]]:

@@ -10,13 +10,14 @@
 5. Run: the rewritten graph's pieces replay or run guarded; region results come back as views of
    the carries, so their address never changes.
 
-Envelope memory lives in ``envelopes.py``, ahead-of-traffic preparation in ``prepare.py``.
+Envelope memory lives in ``envelopes.py``, ahead-of-traffic preparation in ``prepare.py``, what
+the step knows of each class in ``class_store.py``, its options in ``config.py`` (one frozen
+``CompileConfig``) and the module's tensors as it reads them in ``module_tensors.py``.
 """
 from __future__ import annotations
 
 import inspect
 import logging
-import os
 import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -31,16 +32,19 @@ from .admission import Admission, check_envelopes, check_paths
 from .audit import Auditor
 from .catalog import Catalog, build_catalog
 from .class_compiler import ClassEntry, compile_class, method_targets
+from .class_store import ClassStore
 from .compile_cache import CompileCache
+from .config import CompileConfig
 from .context import Carry
 from .contract import Adapter
 from .counters import Counters
 from .envelopes import Envelopes
 from .errors import GuardError
+from .module_tensors import ModuleTensors
 from .pipeline import Options, build_pipeline
 from .region_kernels import KernelStore
 from .signature import global_signature, tensor_signature
-from .tracing import InputSpec, bind_arguments, leaves_with_paths, module_state_tensors
+from .tracing import InputSpec, bind_arguments, leaves_with_paths
 
 __all__ = ["compile", "CompiledStep"]
 
@@ -48,84 +52,86 @@ log = logging.getLogger(__name__)
 
 
 class CompiledStep:
-    """What ``cadence_fx.compile`` returns: call it like the stock step."""
+    """What ``cadence_fx.compile`` returns: call it like the stock step.
 
-    def __init__(self, step: Callable, adapter: Adapter, module: torch.nn.Module, *,
-                 verify: bool = False, strict: bool = False, options: Options = Options(),
-                 backend=None, tracing_mode: str = "fake",
-                 carries: Optional[Dict[str, Carry]] = None, graphs: bool = True,
-                 copy_outputs: bool = True, release_envelopes: bool = False,
-                 trace_cache: Optional[dict] = None, keep_before: bool = True,
-                 cache_dir=None, donate_state: bool = False):
+    ``config`` is what it was asked for (``config.CompileConfig``); ``store`` what it knows of
+    each class (``class_store.ClassStore``); ``tensors`` the module's tensors as it reads them
+    (``module_tensors.ModuleTensors``). ``carries``, ``trace_cache`` and ``envelopes``, given,
+    are shared with another compiled step (a stream's other step, a lane)."""
+
+    def __init__(self, step: Callable, adapter: Adapter, module: torch.nn.Module,
+                 config: CompileConfig = CompileConfig(), *, backend=None,
+                 carries: Optional[Dict[str, Carry]] = None, trace_cache: Optional[dict] = None,
+                 envelopes: Optional[Envelopes] = None):
         self.step = step
         self.adapter = adapter.validate()
         self.catalog: Catalog = build_catalog(adapter)
         self.module = module
-        self.verify = verify
-        self.strict = strict
-        self.options = options
+        self.config = config
         self.backend = backend            # chosen at the first class when None
-        self.graphs = graphs
-        self.copy_outputs = copy_outputs
-        self.release_envelopes = release_envelopes
-        self.donate_state = donate_state   # a first state of the carry's layout becomes the carry
-        self.trace_cache = trace_cache    # shared between compiled steps of one module, if given
-        self.keep_before = keep_before    # each class's graph before the passes, for the report
-        self.before: Dict[Tuple, object] = {}   # class key -> its TracedStep before the passes
-        self.tracing_mode = tracing_mode
         self.counters = Counters()
         self.auditor = Auditor()
         self.carries: Dict[str, Carry] = {} if carries is None else carries  # may be shared
-        self.classes: Dict[Tuple, ClassEntry] = {}
-        self._private: Dict[str, torch.Tensor] = {}  # buffers the compiled path writes, copied
-        self._rejected: Dict[Tuple, str] = {}   # classes that run the stock step, with the reason
-        self._unstored: Dict[Tuple, object] = {}  # traces not yet in the compile cache
-        self._warned: set = set()               # declarations that did not match, warned once
-        self._params = dict(module.named_parameters())
-        self._buffers = dict(module.named_buffers())
-        self.admission = Admission(adapter, self.catalog, self._params, strict=strict)
-        self.envelopes = Envelopes(self._params, self._buffers, self.counters)
-        self._pipeline = build_pipeline(options)
-        self._fn = step.forward if isinstance(step, torch.nn.Module) else step
-        self.compile_cache = None if cache_dir is None else CompileCache(cache_dir, self)
+        self.fn = step.forward if isinstance(step, torch.nn.Module) else step
+        self.store = ClassStore(module, self.fn, trace_cache=trace_cache,
+                                keep_before=config.keep_before)
+        self.tensors = ModuleTensors(module, adapter.constants)
+        self.admission = Admission(adapter, self.catalog, self.tensors.params, strict=config.strict)
+        self.pipeline = build_pipeline(config.options)
+        self.compile_cache = None if config.cache_dir is None else CompileCache(config.cache_dir, self)
         # fused regions' compiled code and verdicts, shared by every step under one directory
-        self.kernel_store = None if cache_dir is None else KernelStore.at(cache_dir)
-        self._arguments = inspect.signature(self._fn)  # bound on every call: inspect it once
-        check_paths(self.adapter, self._arguments)
+        self.kernel_store = None if config.cache_dir is None else KernelStore.at(config.cache_dir)
+        self.arguments = inspect.signature(self.fn)  # bound on every call: inspect it once
+        check_paths(self.adapter, self.arguments)
         # (a dynamo graph's step registers lifted buffers under its own names: it lists the
         # module's names too)
-        check_envelopes(self.adapter, [*self._buffers, *getattr(module, "stock_buffer_names", ())])
-        # tensor attributes the adapter declares constant (e.g. HiFT's ``stft_window``)
-        self._constant_ids = {id(t) for name, t in module_state_tensors(module).items()
-                              if name.rsplit(".", 1)[-1] in adapter.constants}
-        self._repeated = method_targets(adapter, module) if options.repeated else []
-        if release_envelopes:   # stock methods that read released envelopes: guarded or lent
-            self.envelopes.guard(module, adapter, method_targets(adapter, module, "priming"))
+        check_envelopes(self.adapter, [*self.tensors.buffers,
+                                       *getattr(module, "stock_buffer_names", ())])
+        self.repeated = method_targets(adapter, module) if config.options.repeated else []
+        if envelopes is not None:   # another step's (a lane's first step), guarded there
+            self.envelopes = envelopes
+        else:
+            self.envelopes = Envelopes(self.tensors.params, self.tensors.buffers, self.counters)
+            if config.release_envelopes:   # stock methods that read released envelopes
+                self.envelopes.guard(module, adapter, method_targets(adapter, module, "priming"))
         # one call at a time: a priming class compiling in the background holds it too
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
         self.background = _priming.Background(self)
+
+    @property
+    def classes(self):
+        """The compiled classes, ``{class key: ClassEntry}`` (``store.entries``)."""
+        return self.store.entries
+
+    @property
+    def before(self):
+        """Each class's graph as traced, before the passes, when kept (``store.before``)."""
+        return self.store.before
 
     # -- the call ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        with self._lock:
+        with self.lock:
             self.counters.calls += 1
             self.auditor.call_index = self.counters.calls
-            entry, by_path, reason = self._select(args, kwargs)
+            entry, by_path, reason = self.select(args, kwargs)
             if reason is not None:   # (an entry with a reason: this call's state, not the class)
                 return self._eager(reason, args, kwargs, priming=_priming.is_priming(self, by_path))
-            return self._run(entry, by_path)
+            return self.run(entry, by_path)
 
-    def _select(self, args, kwargs):
-        """Admission, absorption into the carries, and the class entry (traced on first sight).
-        Returns ``(entry, by_path, reason)``: with a reason, the call runs stock; the entry is
-        still given when only this call's state keeps it from running (its layout)."""
-        leaves, spec = leaves_with_paths(bind_arguments(self._arguments, args, kwargs))
+    def select(self, args, kwargs, donate: Optional[bool] = None):
+        """The call's first half: admission, absorption into the carries, and the class entry
+        (traced on first sight). Returns ``(entry, by_path, reason)``: with a reason, the call
+        runs stock; the entry is still given when only this call's state keeps it from running
+        (its layout). ``donate`` (default ``config.donate_state``): whether a first state may
+        become its carry (``prepare`` passes False: an example is not the stream's state)."""
+        donate = self.config.donate_state if donate is None else donate
+        leaves, spec = leaves_with_paths(bind_arguments(self.arguments, args, kwargs))
         by_path = dict(leaves)
         self.admission.check_placement(by_path)
         reason = self.admission.reason(by_path, self.carries)
         if reason is not None:
             return None, by_path, reason
-        arrived, saved = self._absorb(by_path)
+        arrived, saved = self._absorb(by_path, donate)
         entry, reason = self._entry(by_path, leaves, spec, arrived)
         if reason is not None:   # stock reads what the caller passed, the carry's old values
             with torch.no_grad():
@@ -136,33 +142,34 @@ class CompiledStep:
     def _entry(self, by_path, leaves, spec, arrived):
         """The class entry (traced on first sight) and why this call cannot run it, if so."""
         key = self._signature(by_path, spec)
-        if key in self._rejected:
-            return None, self._rejected[key]
-        entry = self.classes.get(key)
+        verdict = self.store.verdict(key)
+        if verdict is not None:
+            return None, verdict
+        entry = self.store.entry(key)
         if entry is None:
             named = pytree.tree_unflatten([by_path[p] for p, _ in leaves], spec)
             reason = self.background.reason(key, named)   # a priming class not compiled yet
             if reason is not None:
                 return None, reason
-            known = layouts.known_reads(e.records for e in self.classes.values())
+            known = layouts.known_reads(e.records for e in self.store.entries.values())
             reason = self._arrival_reason(known, arrived)   # not compiled only to run stock
             if reason is not None:
                 return None, reason
             entry = compile_class(self, key, named)
             if entry is None:
-                return None, self._rejected[key]
+                return None, self.store.verdict(key)
         reads = entry.records.get("layout_reads")
         if reads is None:   # not compiled by the carry pass: any read may depend on the layout
             reads = {name: "ops not analysed" for name in arrived}
         return entry, self._arrival_reason(reads, arrived)
 
-    def _absorb(self, by_path):
+    def _absorb(self, by_path, donate: bool):
         """Region inputs made views of their carries (``Admission.absorb``). Returns the states
         that arrived as other tensors, by region (for the layout check), and ``(state, values)``
         for each that lives in its carry's storage (a transposed view of it), which absorbing
         overwrites: a call that then runs stock puts the values back first."""
         arrived, saved = {}, []
-        if not self.options.state_rule:
+        if not self.config.options.state_rule:
             return arrived, saved
         for r in self.adapter.regions:
             t = by_path.get(r.input)
@@ -174,7 +181,7 @@ class CompiledStep:
                         t.untyped_storage().data_ptr() == carry.tensor.untyped_storage().data_ptr()):
                     saved.append((t, t.clone()))
                 by_path[r.input] = self.admission.absorb(r, t, self.carries, self.counters,
-                                                         adopt=self.donate_state)
+                                                         adopt=donate)
         return arrived, saved
 
     def _arrival_reason(self, reads: Dict[str, str], arrived) -> Optional[str]:
@@ -202,14 +209,15 @@ class CompiledStep:
 
     def _input(self, spec: InputSpec, by_path):
         if spec.kind == "param":
-            return self._params[spec.name]
+            return self.tensors.params[spec.name]
         if spec.kind == "buffer":
-            return self._private.get(spec.name, self._buffers[spec.name])
+            return self.tensors.buffer(spec.name)
         if spec.kind == "carry":
             return self.carries[spec.name].tensor
         return by_path[spec.name]
 
-    def _run(self, entry: ClassEntry, by_path):
+    def run(self, entry: ClassEntry, by_path):
+        """The call's second half: the class entry run on the call's inputs (``select``)."""
         flat = [self._input(spec, by_path) for spec in entry.inputs]
         with torch.no_grad():
             outs = entry.gm(*flat)
@@ -232,7 +240,7 @@ class CompiledStep:
         return pytree.tree_unflatten(leaves, t.out_spec)
 
     def _eager(self, reason: str, args, kwargs, priming: bool = False):
-        if self.strict:
+        if self.config.strict:
             raise GuardError(f"strict mode: {reason}")
         self.counters.fallback(reason)
         # The stock step writes into its envelopes and may hand out views of them: they get
@@ -242,20 +250,14 @@ class CompiledStep:
             self.envelopes.restore(keep=True)
         # The stock step writes the module's own buffers where compiled calls write private
         # copies: hand it the latest values, and take its writes back, so the two stay one buffer.
-        with torch.no_grad():
-            for name, private in self._private.items():
-                self._buffers[name].copy_(private)
-        result = self.step(*args, **kwargs)
-        with torch.no_grad():
-            for name, private in self._private.items():
-                private.copy_(self._buffers[name])
-        return result
+        with self.tensors.lent_to_stock():
+            return self.step(*args, **kwargs)
 
     # -- ahead of traffic --------------------------------------------------------------------
     def prepare(self, *args, **kwargs) -> bool:
         """Trace and capture the class of this call before traffic arrives, leaving every carry,
         buffer, argument and generator as it was. Returns whether the class is compiled."""
-        with self._lock:
+        with self.lock:
             return _prepare.prepare(self, args, kwargs)
 
     def wait_background(self, timeout: Optional[float] = None) -> bool:
@@ -279,16 +281,14 @@ class CompiledStep:
         ``priming_example(length) -> (args, kwargs)``, a priming call of that prompt length, when
         given; else the example is re-cut (region state None, the call input at each length).
         """
-        with self._lock:
+        with self.lock:
             return _prepare.capture_catalog(self, args, kwargs, priming_example)
 
     def close(self) -> None:
         """Drop every compiled class and its device graphs and give the module back its released
         envelopes (zero-filled); the step can still be called afterwards and recompiles."""
         self.envelopes.restore(keep=False)
-        self.classes.clear()
-        self._rejected.clear()
-        self._unstored.clear()
+        self.store.clear()
         self.backend = None
 
     # -- inspection -------------------------------------------------------------------------
@@ -347,40 +347,22 @@ def compile(step: Union[torch.nn.Module, Callable], adapter: Union[Adapter, str]
     written from then on, as the stock step of a model that updates its state in place (Moshi's
     ring caches) writes it; keep a clone of any state to be reused (a speaker's prompt). Without
     it a state passed in is never written.
+
+    The keywords become one frozen ``config.CompileConfig`` (``CompiledStep.config``), checked
+    once: a value of the wrong kind is a ``ValueError`` naming the option and the fix.
     """
-    if tracing_mode != "fake":
-        raise ValueError(f"tracing_mode {tracing_mode!r}: cadence_fx traces exact shapes with fake "
-                         "tensors, one graph per catalog signature (a 'real' trace would run the "
-                         "step and write the user's module); use 'fake'")
+    config = CompileConfig.of(options, verify=verify, strict=strict, graphs=graphs,
+                              state_rule=state_rule, constants=constants, fuse=fuse,
+                              tracing_mode=tracing_mode, copy_outputs=copy_outputs,
+                              release_envelopes=release_envelopes, keep_before=keep_before,
+                              cache_dir=cache_dir, donate_state=donate_state)
     adapter = _adapter(adapter)
     if module is None:
         module = step if isinstance(step, torch.nn.Module) else getattr(step, "__self__", None)
     if not isinstance(module, torch.nn.Module):
         raise TypeError("cannot tell which module holds the step's weights; pass module=")
-    if graphs is None:
-        graphs = os.environ.get("CADENCE_FX_DISABLE_GRAPHS", "0") in ("", "0")
-    options = _options(options, state_rule=state_rule, constants=constants, fuse_exact=fuse)
-    return CompiledStep(step, adapter, module, verify=verify, strict=strict, options=options,
-                        backend=backend, tracing_mode=tracing_mode, carries=carries,
-                        graphs=graphs, copy_outputs=copy_outputs,
-                        release_envelopes=release_envelopes, trace_cache=trace_cache,
-                        keep_before=keep_before, donate_state=donate_state,
-                        cache_dir=cache_dir if cache_dir is not None
-                        else os.environ.get("CADENCE_FX_CACHE_DIR") or None)
-
-
-def _options(options: Optional[Options], **switches: Optional[bool]) -> Options:
-    """The pass options: ``options`` (default ``Options()``) with the keyword switches given; a
-    switch that disagrees with an explicit ``options`` is an error, not a silent override."""
-    given = {field: on for field, on in switches.items() if on is not None}
-    if options is None:
-        return Options(**given)
-    clash = {f: on for f, on in given.items() if getattr(options, f) != on}
-    if clash:
-        said = ", ".join(f"{'fuse' if f == 'fuse_exact' else f}={on}" for f, on in clash.items())
-        raise ValueError(f"compile(): {said} disagrees with options={options!r}; switch each pass "
-                         "once, in options=Options(...) or as a keyword")
-    return options
+    return CompiledStep(step, adapter, module, config, backend=backend, carries=carries,
+                        trace_cache=trace_cache)
 
 
 def _adapter(adapter: Union[Adapter, str]) -> Adapter:

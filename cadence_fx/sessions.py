@@ -76,14 +76,14 @@ class SessionPool:
         """``lanes``: independent sets of carries and graphs (``lanes.py``); lane 0 is
         ``compiled`` itself. ``backend_for_lane(i)``: lane ``i``'s backend (default: each lane
         chooses its own at its first class)."""
-        if getattr(compiled, "donate_state", False):
+        if compiled.config.donate_state:
             raise ContractError(
                 "a session pool keeps every starting state unwritten (one speaker's prompt may "
                 "open many sessions), but this step was compiled with donate_state=True, which "
                 "takes the first state over as its carry; compile it without donate_state")
         self.compiled = compiled
         self.adapter = compiled.adapter
-        args = list(compiled._arguments.parameters)
+        args = list(compiled.arguments.parameters)
         heads = {r.input.split(".", 1)[0] for r in self.adapter.regions}
         outs = {r.output.split(".", 1)[0] for r in self.adapter.regions}
         if len(heads) != 1 or len(outs) != 1 or not next(iter(outs)).isdigit():

@@ -67,7 +67,7 @@ def freeze(cs, entry, *, private: List[str], replaced: List[str],
            carries: Dict[str, tuple]) -> dict:
     """The payload that stores ``entry`` (a ``ClassEntry`` of the compiled step ``cs``);
     raises ``Unstorable``."""
-    if cs.verify:
+    if cs.config.verify:
         raise Unstorable("the shadow auditor is part of the graph (verify=True)")
     state = {id(t): path for path, t in module_state_tensors(cs.module).items()}
     t = entry.traced
@@ -148,7 +148,7 @@ def _freeze_attr(node, value, state: Dict[int, str]) -> tuple:
 def missing_state(cs, payload: dict) -> List[str]:
     """Module state the class reads that the module does not have (yet): stock code that
     registers a buffer on its first call (Mimi's codebook cache). Such a class is compiled."""
-    have = {"param": cs._params, "buffer": cs._buffers}
+    have = {"param": cs.tensors.params, "buffer": cs.tensors.buffers}
     missing = [f"{s.kind} {s.name}" for s in payload["inputs"]
                if s.kind in have and s.name not in have[s.kind]]
     paths = set(module_state_tensors(cs.module))
@@ -218,7 +218,7 @@ def _thaw_module(cs, m: dict, state: Dict[str, torch.Tensor], label: str) -> Cod
             sub.resolve(getattr(cs, "kernel_store", None))
         elif p is not None:
             sub = GuardedPiece(sub, name, p["kind"], p["reasons"], p["fixed"], p["mutated"],
-                               p["escaping"], cs.backend, cs.counters, strict=cs.strict,
+                               p["escaping"], cs.backend, cs.counters, strict=cs.config.strict,
                                recapture=cs.adapter.recapture_on_drift)
         setattr(module, name, sub)
     return module

@@ -183,11 +183,11 @@ def _llm_backbone():
     def refuse(*args, **kwargs):
         raise AssertionError("capture_catalog prepared a class of an excluded catalog")
 
-    c._select = refuse
+    c.select = refuse
     done = _capture(c, torch.no_grad, torch.tensor([[3]]), m.initial_state())
     assert done == {cls: False for cls in c.catalog.classes} and not c.classes
     assert {r["how"].split(" signature")[0] for r in done.rows} == {"stock: region 'kv' has K = 2001"}
-    del c._select
+    del c.select
     want = _decoder_stream(m, m.initial_state)
     got = _decoder_stream(c, m.initial_state)
     assert [_same(w, g) for w, g in zip(want, got)] == [True] * len(want)

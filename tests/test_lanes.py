@@ -263,7 +263,7 @@ def test_a_lane_compiling_in_the_background_takes_no_chunk_and_holds_no_other(mo
     pool = _pool(model, lanes=2)
     first = pool.lanes[0].compiled
     for key in [k for k in first.classes if all(e is None for e in k[0][0])]:
-        del first.classes[key]
+        first.store.forget(key)
     real = prepare.prepare
 
     def slow(*args, **kwargs):

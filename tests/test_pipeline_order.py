@@ -89,6 +89,6 @@ def test_a_keyword_that_disagrees_with_options_is_an_error_not_an_override():
         cadence_fx.compile(make_model(), CONFORMER_ADAPTER, fuse=False, options=Options())
     agreed = cadence_fx.compile(make_model(), CONFORMER_ADAPTER, fuse=False,
                                 options=Options(fuse_exact=False))
-    assert "fuse_exact" not in [n for n, _ in agreed._pipeline]
+    assert "fuse_exact" not in [n for n, _ in agreed.pipeline]
     keyword = cadence_fx.compile(make_model(), CONFORMER_ADAPTER, state_rule=False)
-    assert keyword.options == Options(state_rule=False)
+    assert keyword.config.options == Options(state_rule=False)

@@ -304,7 +304,7 @@ def test_a_wrong_shaped_call_raises_torchs_error_without_a_fake_tensor_traceback
     err = capfd.readouterr().err
     assert "Traceback" not in err and "fake_tensor" not in err
     assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
-    (reason,) = compiled._rejected.values()
+    (reason,) = compiled.store.verdicts.values()
     assert "make_fx could not trace" in reason and "same reduction dim" in reason
     with torch.no_grad():   # the right shape still compiles and runs
         compiled(torch.randn(1, 8, 64), state)
