@@ -20,7 +20,7 @@ import time
 import torch
 
 import cadence_fx
-from cadence_fx.context import Carry
+from cadence_fx.passes.context import Carry
 from cadence_fx.models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
 
 

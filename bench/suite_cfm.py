@@ -27,7 +27,7 @@ import time
 import traceback
 
 import cadence_fx
-from cadence_fx.pipeline import Options
+from cadence_fx.passes.pipeline import Options
 from suite_measure import ROW_KEYS, Baseline, CFMStream, cleanup, counters_row, measure
 from suite_peers import run_torch_compile, run_vendor
 

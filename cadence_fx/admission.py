@@ -20,7 +20,7 @@ from typing import Dict, Iterable, Optional
 import torch
 
 from .catalog import Catalog, calls_in_region_units
-from .context import Carry
+from .passes.context import Carry
 from .contract import Adapter, Region
 from .counters import Counters
 from .errors import ContractError, GuardError

@@ -1,6 +1,8 @@
 """The shadow auditor (paper §3.6): in verify mode every carry write is compared with the stock
 value it replaces, elementwise and by layout (stride order: the next call's reads of a state in
-another layout may give other bits), and a mismatch raises with the region and the call index."""
+another layout may give other bits), and a mismatch raises with the region and the call index.
+The carry pass puts the comparison in the graph (``check_carry_write`` in ``passes/specs.py``)
+on the ``Auditor`` the compiled step hands it."""
 from __future__ import annotations
 
 import collections
@@ -9,10 +11,9 @@ import logging
 import torch
 
 from .errors import ShadowMismatch
-from .fx_utils import SIDE_EFFECTS
 from .layouts import describe, stride_order
 
-__all__ = ["Auditor", "check_carry_write"]
+__all__ = ["Auditor"]
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,3 @@ class Auditor:
             f"verify: the {kind} write of region {region!r} differs from the stock concatenation at "
             f"call {self.call_index} ({detail}); the region's ordering or retention clocks do not "
             "match the model's cache layout")
-
-
-def check_carry_write(auditor: Auditor, region: str, kind: str, stock, carry) -> None:
-    auditor.check(region, kind, stock, carry)
-
-
-SIDE_EFFECTS.add(check_carry_write)

@@ -17,13 +17,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import fusion, progress, stored_class
-from .context import PassContext, RegionBinding
+from . import fusion, progress, replay, stored_class
+from .passes.context import PassContext, RegionBinding
 from .contract import Adapter
 from .effects import RngSnapshot, TensorSnapshot
 from .errors import ContractError, TraceError
-from .fx_utils import graph_module, mutated_attributes, written_bases
-from .pipeline import PassFailed, run_pipeline
+from .passes.fx_utils import graph_module, mutated_attributes, written_bases
+from .passes.pipeline import PassFailed, run_pipeline
 from .replay import EagerBackend
 from .stored_class import carry_like
 from .tracing import InputSpec, TracedStep, leaves_with_paths, trace_step
@@ -91,6 +91,8 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
         if cs.config.strict:
             raise
         return _reject(cs, key, label, f"class {key[0]} runs the stock step: {e}", str(e))
+    fusion.make_regions(gm, ctx)   # the runtime objects of the passes' specs
+    replay.guard_pieces(gm, ctx)
     # fused regions take the code and verdicts an earlier class or process stored
     fusion.resolve_regions(gm, getattr(cs, "kernel_store", None))
     return _enter(cs, key, label, traced, gm, ctx, bindings, replaced, written_before)

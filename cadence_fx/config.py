@@ -16,7 +16,7 @@ import dataclasses
 import os
 from typing import Optional, Union
 
-from .pipeline import Options
+from .passes.pipeline import Options
 
 __all__ = ["CompileConfig", "Options"]   # Options: the pass flags it carries
 

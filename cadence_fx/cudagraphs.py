@@ -38,7 +38,7 @@ import torch
 
 from .effects import RngSnapshot, TensorSnapshot
 from .fusion import pending_regions
-from .fx_utils import mutated_attributes
+from .passes.fx_utils import mutated_attributes
 
 __all__ = ["CudaGraphBackend", "private_stream"]
 

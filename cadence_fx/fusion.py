@@ -1,5 +1,6 @@
 """Fused regions at run time: a run of pointwise ops compiled into fewer kernels, admitted only when
-it computes the same bits as the stock kernels it replaces (``passes/fuse_exact.py`` finds them).
+it computes the same bits as the stock kernels it replaces (``passes/fuse_exact.py`` finds them and
+emits a ``RegionSpec`` each; ``make_regions`` puts a ``FusedRegion`` in each one's place).
 
 States of a region: pending -> fused (verified) or stock (with the reason).
 
@@ -38,14 +39,13 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from . import region_kernels
+from .passes.exact_ops import reciprocal
+from .passes.fx_utils import val
 
-__all__ = ["DEVICES", "FusedRegion", "NUMERICS", "compile_region", "input_layout", "pending_regions",
-           "regions", "resolve_regions"]
+__all__ = ["FusedRegion", "NUMERICS", "compile_region", "input_layout", "make_regions",
+           "pending_regions", "regions", "resolve_regions"]
 
 log = logging.getLogger(__name__)
-
-# where ``fuse_exact`` makes regions: on the CPU, Inductor's C++ is not held to the stock numerics
-DEVICES = ("cuda",)
 
 # Inductor settings that keep its arithmetic to what the stock kernels do; a name this torch does
 # not have is left out (``eager_numerics.use_pytorch_libdevice`` is new in 2.13; on 2.11
@@ -93,12 +93,6 @@ def compile_region(module, args: Sequence, graph: Optional[tuple] = None) -> Cal
     if key not in _COMPILED:
         _COMPILED[key] = region_kernels.compile_artifact(inductor_form(module), args, _numerics())
     return _COMPILED[key]
-
-
-def reciprocal(b) -> float:
-    """``1 / b`` as ATen's CUDA division kernel makes it for a Python number: in fp32, the opmath
-    type of fp32, bf16 and fp16 tensors."""
-    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(b), dtype=torch.float32))
 
 
 def inductor_form(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -360,6 +354,23 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point():
         return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
     return t
+
+
+def make_regions(gm: torch.nn.Module, ctx) -> int:
+    """The ``FusedRegion`` of each ``RegionSpec`` the passes emitted (``ctx.specs.regions``), put
+    where its stock graph is: in ``gm``, or in the piece the partition moved it to. The region's
+    layout is its inputs' as traced (its stock graph's placeholders carry the traced values)."""
+    made = {}
+    for spec in ctx.specs.regions:
+        values = [val(n) for n in spec.stock.graph.nodes if n.op == "placeholder"]
+        layout = input_layout(values) if all(isinstance(v, torch.Tensor) for v in values) else None
+        made[id(spec.stock)] = FusedRegion(spec.stock, spec.name, spec.ops, ctx.counters,
+                                           writes=spec.writes, layout=layout)
+    for parent in list(gm.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in made:
+                setattr(parent, name, made[id(child)])
+    return len(made)
 
 
 def regions(module) -> List[FusedRegion]:

@@ -19,22 +19,14 @@ themselves may differ (a carry with room has longer rows than stock's state).
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, Optional
 
 import torch
 
+# what a layout is, as the carry pass sees it too (``passes/_carry_layout.py``)
+from .passes.fx_utils import describe, stride_order
+
 __all__ = ["stride_order", "describe", "arrival_reason", "known_reads"]
-
-
-def stride_order(t) -> Tuple[int, ...]:
-    """The dims of ``t`` of size > 1, outermost first: the order a kernel walks it in."""
-    return tuple(sorted((i for i in range(t.dim()) if t.shape[i] > 1),
-                        key=lambda i: (-t.stride(i), i)))
-
-
-def describe(t) -> str:
-    """``strides (192, 1, 16), dims outermost first (0, 2, 1)``."""
-    return f"strides {tuple(t.stride())}, dims outermost first {stride_order(t)}"
 
 
 def arrival_reason(name: str, t: torch.Tensor, carry_view: torch.Tensor,

@@ -4,6 +4,8 @@ A piece either stays eager by construction, or is capturable. A capturable piece
 for a replay at its exact signature; the eager backend (CPU, or graphs switched off) has none, so
 the piece runs its eager module -- the guarded eager path. Guards compare plain data recorded at
 lowering time with the call: tensor signatures, and the addresses of fixed-address inputs.
+``passes/lower_guarded.py`` says what each piece is (a ``PieceSpec``); ``guard_pieces`` builds the
+``GuardedPiece``s from that.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 from .counters import Counters
 from .errors import GuardError
 
-__all__ = ["EagerBackend", "GuardedPiece"]
+__all__ = ["EagerBackend", "GuardedPiece", "guard_pieces"]
 
 log = logging.getLogger(__name__)
 
@@ -127,3 +129,15 @@ class GuardedPiece(torch.nn.Module):
 
     def _addresses(self, args) -> Tuple:
         return tuple(args[i].data_ptr() for i in self._aliased if isinstance(args[i], torch.Tensor))
+
+
+def guard_pieces(gm: torch.nn.Module, ctx) -> int:
+    """Each piece of ``gm`` that ``lower_guarded`` specified (``ctx.specs.pieces``) behind its
+    guard, on the class's backend (the eager one when it has none)."""
+    backend = ctx.backend or EagerBackend()
+    for spec in ctx.specs.pieces:
+        setattr(gm, spec.name, GuardedPiece(
+            getattr(gm, spec.name), spec.name, spec.kind, spec.reasons, spec.fixed, spec.mutated,
+            spec.escaping, backend, ctx.counters, strict=ctx.strict,
+            recapture=ctx.adapter.recapture_on_drift))
+    return len(ctx.specs.pieces)

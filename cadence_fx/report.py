@@ -13,7 +13,7 @@ import sys
 from types import FrameType
 from typing import Dict, List, Optional
 
-from .fx_utils import aten, view_chain
+from .passes.fx_utils import aten, view_chain
 
 __all__ = ["Report", "show", "shown"]
 

@@ -18,8 +18,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch.fx import GraphModule, Node
 
-from .audit import check_carry_write
-from .fx_utils import CATS, aten, view_chain
+from .passes.fx_utils import CATS, aten, view_chain
+from .passes.specs import check_carry_write
 
 __all__ = ["before_graph", "region_rewrites"]
 

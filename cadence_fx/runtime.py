@@ -35,13 +35,13 @@ from .class_compiler import ClassEntry, compile_class, method_targets
 from .class_store import ClassStore
 from .compile_cache import CompileCache
 from .config import CompileConfig
-from .context import Carry
+from .passes.context import Carry
 from .contract import Adapter
 from .counters import Counters
 from .envelopes import Envelopes
 from .errors import GuardError
 from .module_tensors import ModuleTensors
-from .pipeline import Options, build_pipeline
+from .passes.pipeline import Options, build_pipeline
 from .region_kernels import KernelStore
 from .signature import global_signature, tensor_signature
 from .tracing import InputSpec, bind_arguments, leaves_with_paths

@@ -38,7 +38,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .fusion import FusedRegion
-from .fx_utils import attr_value, written_bases
+from .passes.fx_utils import attr_value, written_bases
 from .replay import GuardedPiece
 from .tracing import TracedStep, module_state_tensors
 

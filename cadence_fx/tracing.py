@@ -29,7 +29,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .effects import TensorSnapshot
 from .errors import TraceError
-from .fx_utils import code_deferred
+from .passes.context import InputSpec
+from .passes.fx_utils import code_deferred
 from .signature import global_signature, tensor_signature  # noqa: F401 (re-exported)
 from .splice import RepeatedCalls
 
@@ -37,12 +38,6 @@ __all__ = ["InputSpec", "TracedStep", "bind_arguments", "leaves_with_paths", "tr
            "tensor_signature", "global_signature"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class InputSpec:
-    kind: str   # "param" | "buffer" | "arg"
-    name: str   # the parameter/buffer name, or the argument path ("cache.estimator_att_cache")
 
 
 @dataclasses.dataclass

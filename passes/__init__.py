@@ -1,5 +1,5 @@
 """Graph passes, one per module (``fusion_prep.py`` holds the four that prepare fusion). Each takes ``(GraphModule, PassContext)`` and returns a
-``PassResult``; ``cadence_fx.pipeline`` runs them in order, lints between them and recompiles after the last."""
+``PassResult``; ``pipeline.py`` runs them in order, lints between them and recompiles after the last."""
 from .carry_retention import carry_retention
 from .fuse_exact import fuse_exact
 from .fusion_prep import cats_in_place, contiguous_norm_inputs, functional_temporaries, split_conv_bias

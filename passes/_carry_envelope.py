@@ -13,8 +13,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch.fx import GraphModule, Node
 
-from cadence_fx.context import PassContext, RegionBinding
-from cadence_fx.fx_utils import aten, is_mutating, mutated_arg, slice_bounds, storage_key, val
+from .context import PassContext, RegionBinding
+from .fx_utils import aten, is_mutating, mutated_arg, slice_bounds, storage_key, val
 
 from ._carry_graph import propagate_meta
 

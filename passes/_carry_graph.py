@@ -10,8 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manag
 from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from cadence_fx.context import RegionBinding
-from cadence_fx.fx_utils import aten, slice_bounds, val, view_chain
+from .context import RegionBinding
+from .fx_utils import aten, slice_bounds, val, view_chain
 
 __all__ = ["output_node", "fake_mode", "out_values", "set_out_value", "slice_", "carry_offset",
            "copy_", "propagate_meta"]

@@ -19,12 +19,10 @@ from typing import Optional
 
 from torch.fx import GraphModule, Node
 
-from cadence_fx.audit import check_carry_write
-from cadence_fx.context import PassContext, RegionBinding
-from cadence_fx.fx_utils import CATS, aten, storage_key, val
-from cadence_fx.layouts import describe, stride_order
-
 from ._carry_graph import fake_mode, set_out_value
+from .context import PassContext, RegionBinding
+from .fx_utils import CATS, aten, describe, storage_key, stride_order, val
+from .specs import check_carry_write
 
 __all__ = ["layout_read", "layout_miss"]
 

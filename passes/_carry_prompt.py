@@ -36,8 +36,8 @@ from typing import List, Optional, Tuple, Union
 from torch.fx import GraphModule, Node
 
 from cadence_fx.contract import APPEND
-from cadence_fx.context import RegionBinding
-from cadence_fx.fx_utils import CATS, aten, is_mutating, mutated_arg, slice_bounds, storage_key, val
+from .context import RegionBinding
+from .fx_utils import CATS, aten, is_mutating, mutated_arg, slice_bounds, storage_key, val
 
 from ._carry_graph import copy_, slice_
 from ._carry_window import Window, move, rewrite_window, window_of

@@ -22,8 +22,8 @@ from typing import List, Optional, Tuple, Union
 
 from torch.fx import GraphModule, Node
 
-from cadence_fx.context import RegionBinding
-from cadence_fx.fx_utils import CATS, VIEW_OPS, aten, slice_bounds, val
+from .context import RegionBinding
+from .fx_utils import CATS, VIEW_OPS, aten, slice_bounds, val
 
 from ._carry_window import (SPLITS, Window, frame_range, move, rewrite_window, split_sizes,
                             window_of)

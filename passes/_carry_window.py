@@ -30,8 +30,8 @@ from typing import Callable, Optional, Union
 from torch.fx import GraphModule, Node
 
 from cadence_fx.contract import APPEND, PREPEND
-from cadence_fx.context import RegionBinding
-from cadence_fx.fx_utils import (CATS, aten, is_mutating, mutated_arg, slice_bounds, storage_key,
+from .context import RegionBinding
+from .fx_utils import (CATS, aten, is_mutating, mutated_arg, slice_bounds, storage_key,
                                  val)
 
 from ._carry_graph import carry_offset, copy_, propagate_meta

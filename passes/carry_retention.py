@@ -44,12 +44,6 @@ from typing import Optional, Union
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from cadence_fx.audit import check_carry_write
-from cadence_fx.context import PassContext, RegionBinding
-from cadence_fx.fx_utils import (aten, dead_code_elimination, is_mutating, mutated_arg,
-                                 storage_key, val, view_chain)
-from cadence_fx.tracing import InputSpec
-
 from ._carry_envelope import replace_envelope
 from ._carry_layout import layout_miss, layout_read
 from ._carry_graph import (carry_offset, copy_, fake_mode, out_values, output_node, set_out_value,
@@ -57,6 +51,10 @@ from ._carry_graph import (carry_offset, copy_, fake_mode, out_values, output_no
 from ._carry_prompt import Join, cut_of, cut_source, find_join, prepare_join, write_join
 from ._carry_stacked import Stacked, find_stacked, rewrite_stacked
 from ._carry_window import Window, find_window, move, rewrite_window
+from .context import InputSpec, PassContext, RegionBinding
+from .fx_utils import (aten, dead_code_elimination, is_mutating, mutated_arg, storage_key, val,
+                       view_chain)
+from .specs import check_carry_write
 
 __all__ = ["carry_retention"]
 

@@ -30,7 +30,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
-from cadence_fx.fx_utils import CATS, aten, is_mutating, mutated_arg, storage_key, val
+from .fx_utils import CATS, aten, is_mutating, mutated_arg, storage_key, val
 
 __all__ = ["write_cats_in_place", "LAYOUT_FREE_READERS"]
 

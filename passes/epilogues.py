@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from cadence_fx.fx_utils import aten, val
+from .fx_utils import aten, val
 
 __all__ = ["split_conv_bias", "contiguous_norm_inputs", "bias_added_after", "CONVS"]
 

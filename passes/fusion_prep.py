@@ -12,29 +12,20 @@ computed, and each gives ``fuse_exact`` (the pass after them) more to fuse:
 * ``contiguous_norm_inputs``: a LayerNorm's strided input, made by a fusible kernel, copied to a
   contiguous one explicitly, as the norm's kernel would (``epilogues.contiguous_norm_inputs``).
 
-Like fusion they run on fusion's devices only (``cadence_fx.fusion.DEVICES``); elsewhere each
-leaves the graph as it is. Each counts what it did in the class's ``fusion`` records under the key
-it always had (``inplace_made_functional``, ``cats_in_place`` with ``cats_left``,
+Like fusion they run on fusion's devices only (``exact_ops.DEVICES``); elsewhere each leaves the
+graph as it is. Each counts what it did in the class's ``fusion`` records under the key it always had (``inplace_made_functional``, ``cats_in_place`` with ``cats_left``,
 ``conv_bias_split``, ``norm_inputs_copied``), and is ``modified`` only where it rewrote something.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
-from cadence_fx import fusion
-from cadence_fx.context import PassContext
-from cadence_fx.fx_utils import step_device
-from cadence_fx.passes import cat_in_place, epilogues, region_writes
+from . import cat_in_place, epilogues, region_writes
+from .context import PassContext
+from .exact_ops import VIEWS, fusible, fusion_device, is_kernel
 
 __all__ = ["functional_temporaries", "cats_in_place", "split_conv_bias", "contiguous_norm_inputs"]
-
-
-def _fusion_device(gm: GraphModule) -> Optional[str]:
-    device = step_device(gm).type
-    return device if device in fusion.DEVICES else None
 
 
 def _records(ctx: PassContext) -> dict:
@@ -42,14 +33,14 @@ def _records(ctx: PassContext) -> dict:
 
 
 def functional_temporaries(gm: GraphModule, ctx: PassContext) -> PassResult:
-    if _fusion_device(gm) is None:
+    if fusion_device(gm) is None:
         return PassResult(gm, False)
     made = _records(ctx)["inplace_made_functional"] = region_writes.functional_temporaries(gm)
     return PassResult(gm, made > 0)
 
 
 def cats_in_place(gm: GraphModule, ctx: PassContext) -> PassResult:
-    device = _fusion_device(gm)
+    device = fusion_device(gm)
     if device is None:
         return PassResult(gm, False)
     records = _records(ctx)
@@ -59,7 +50,7 @@ def cats_in_place(gm: GraphModule, ctx: PassContext) -> PassResult:
 
 
 def split_conv_bias(gm: GraphModule, ctx: PassContext) -> PassResult:
-    device = _fusion_device(gm)
+    device = fusion_device(gm)
     if device is None:
         return PassResult(gm, False)
     split = _records(ctx)["conv_bias_split"] = epilogues.split_conv_bias(gm, device)
@@ -67,8 +58,7 @@ def split_conv_bias(gm: GraphModule, ctx: PassContext) -> PassResult:
 
 
 def contiguous_norm_inputs(gm: GraphModule, ctx: PassContext) -> PassResult:
-    from cadence_fx.passes.fuse_exact import VIEWS, fusible, is_kernel
-    device = _fusion_device(gm)
+    device = fusion_device(gm)
     if device is None:
         return PassResult(gm, False)
     copied = _records(ctx)["norm_inputs_copied"] = epilogues.contiguous_norm_inputs(

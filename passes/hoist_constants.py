@@ -27,8 +27,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from cadence_fx.context import PassContext
-from cadence_fx.fx_utils import (SIDE_EFFECTS, attr_value, dead_code_elimination, is_mutating,
+from .context import PassContext
+from .fx_utils import (SIDE_EFFECTS, attr_value, dead_code_elimination, is_mutating,
                                  mutated_arg, storage_key)
 
 __all__ = ["hoist_constants"]

@@ -32,8 +32,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.operator_schemas import normalize_function
 from torch.fx.passes.infra.pass_base import PassResult
 
-from cadence_fx.context import PassContext
-from cadence_fx.fx_utils import aten, attr_value, val
+from .context import PassContext
+from .fx_utils import aten, attr_value, val
 
 from .hoist_constants import hoist_constants
 

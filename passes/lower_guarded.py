@@ -3,13 +3,17 @@
 Case handled::
 
     before:  piece_0 = GraphModule(...)             # from shape_enumeration
-    after:   piece_0 = GuardedPiece(piece_0, kind="graph", backend=EagerBackend())
+    after:   piece_0 = GraphModule(...)             # the same, and its spec:
+             PieceSpec("piece_0", kind="graph", fixed=["param w", None], ...)
+             # the runtime makes it GuardedPiece(piece_0, ...) (``cadence_fx.replay.guard_pieces``)
 
-Eager pieces run as they are and are counted. Capturable pieces ask the backend for a replay at
-their exact signature on first use; with the eager backend (CPU, or graphs off) that is the guarded
-eager path. Inputs that are top-level placeholders of contract-owned storage (carries, parameters,
+The pass says what each piece is; the runtime builds the ``GuardedPiece`` from that. Eager pieces
+run as they are and are counted. Capturable pieces ask the backend for a replay at their exact
+signature on first use; with the eager backend (CPU, or graphs off) that is the guarded eager
+path. Inputs that are top-level placeholders of contract-owned storage (carries, parameters,
 buffers) are marked fixed-address: a replay may alias them instead of staging a copy, and the guard
-checks their ``data_ptr``. This pass comes last: it is the only one that introduces runtime state.
+checks their ``data_ptr``. Needs the pieces of ``shape_enumeration``. This pass comes last: its
+specs are the only runtime state besides the fused regions'.
 """
 from __future__ import annotations
 
@@ -19,9 +23,9 @@ from typing import List
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
-from cadence_fx.context import PassContext
-from cadence_fx.fx_utils import storage_key, written_bases
-from cadence_fx.replay import EagerBackend, GuardedPiece
+from .context import PassContext
+from .fx_utils import storage_key, written_bases
+from .specs import PieceSpec
 
 __all__ = ["lower_guarded"]
 
@@ -50,7 +54,6 @@ def lower_guarded(gm: GraphModule, ctx: PassContext) -> PassResult:
     pieces = {p["name"]: p for p in ctx.records["pieces"]}
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     leaving = set(output.all_input_nodes)
-    backend = ctx.backend or EagerBackend()
     lowered = 0
     for node in gm.graph.nodes:
         if node.op != "call_module" or node.target not in pieces:
@@ -63,10 +66,8 @@ def lower_guarded(gm: GraphModule, ctx: PassContext) -> PassResult:
                         for u in node.users) for k in range(len(outs))]
         info["inputs"] = len(fixed)
         info["aliased_inputs"] = sum(f is not None for f in fixed)
-        guarded = GuardedPiece(sub, node.target, info["kind"], info["reasons"], fixed,
-                               _mutated_inputs(sub), escaping, backend, ctx.counters,
-                               strict=ctx.strict, recapture=ctx.adapter.recapture_on_drift)
-        setattr(gm, node.target, guarded)
+        ctx.specs.pieces.append(PieceSpec(node.target, info["kind"], list(info["reasons"]), fixed,
+                                          _mutated_inputs(sub), escaping))
         lowered += 1
     return PassResult(gm, lowered > 0)
 

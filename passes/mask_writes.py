@@ -26,8 +26,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from cadence_fx.context import PassContext
-from cadence_fx.fx_utils import aten, attr_value, val
+from .context import PassContext
+from .fx_utils import aten, attr_value, val
 
 __all__ = ["mask_writes", "mask_of"]
 

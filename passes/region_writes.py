@@ -32,7 +32,7 @@ from typing import Dict, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from cadence_fx.fx_utils import aten, is_mutating, returns_self, storage_key, val
+from .fx_utils import aten, is_mutating, returns_self, storage_key, val
 
 __all__ = ["absorbed_write", "functional_temporaries", "write_target", "FUNCTIONAL"]
 

@@ -26,8 +26,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from cadence_fx.context import PassContext
-from cadence_fx.fx_utils import aten, graph_module, step_device, subgraph, val
+from .context import PassContext
+from .fx_utils import aten, graph_module, step_device, subgraph, val
 
 __all__ = ["shape_enumeration", "eager_reason"]
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cadence_fx.contract import APPEND, Adapter, Effects, Region, SlidingWindow
-from cadence_fx.fx_utils import is_mutating, mutated_arg, view_chain
+from cadence_fx.passes.fx_utils import is_mutating, mutated_arg, view_chain
 
 __all__ = ["one_thread", "StreamingConformer", "CONFORMER_ADAPTER", "STACKED_ADAPTER", "CLOCKS", "LAYERS", "BINS", "PROMPT",
            "CHUNKS", "FLUSH", "make_model", "prompt_feats", "chunk_feats", "clone_state",

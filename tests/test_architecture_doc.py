@@ -5,7 +5,7 @@ added or a pass registered without a line in the map fails here, naming what is 
 import pathlib
 import re
 
-from cadence_fx.pipeline import Options, build_pipeline
+from cadence_fx.passes.pipeline import Options, build_pipeline
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architecture.md"
@@ -59,4 +59,4 @@ def test_pass_list_is_the_pipeline():
     registered = [name for name, _ in build_pipeline(Options())]
     documented = _pass_chain(DOC.read_text())
     assert documented == registered, (f"docs/architecture.md lists the passes {documented}, the "
-                                      f"pipeline runs {registered} (cadence_fx/pipeline.py)")
+                                      f"pipeline runs {registered} (passes/pipeline.py)")

@@ -24,11 +24,11 @@ from torch import nn
 import cadence_fx
 from cadence_fx.audit import Auditor
 from cadence_fx.catalog import build_catalog
-from cadence_fx.context import Carry, PassContext, RegionBinding
+from cadence_fx.passes.context import Carry, PassContext, RegionBinding
 from cadence_fx.contract import APPEND, Adapter, PromptRetained, Region, Ring, SlidingWindow
 from cadence_fx.counters import Counters
 from cadence_fx.errors import CadenceError, ShadowMismatch
-from cadence_fx.fx_utils import aten
+from cadence_fx.passes.fx_utils import aten
 from cadence_fx.tracing import leaves_with_paths, trace_step
 from helpers import side_by_side
 

@@ -20,8 +20,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import cadence_fx
 from cadence_fx import fusion
-from cadence_fx.fx_utils import aten
+from cadence_fx.passes import exact_ops
 from cadence_fx.passes.cat_in_place import write_cats_in_place
+from cadence_fx.passes.fx_utils import aten
 from streaming_conformer import one_thread  # noqa: F401 - autouse: one intra-op thread per file
 
 fuse_exact_module = sys.modules["cadence_fx.passes.fuse_exact"]
@@ -301,7 +302,7 @@ def test_real_cfm_stream_with_cats_in_place_is_bit_exact(monkeypatch):
     from cadence_fx import adapters
     from cadence_fx.models import token2wav
     from test_real_token2wav import WIDTHS, _lockstep
-    monkeypatch.setattr(fusion, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(exact_ops, "DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(fusion, "compile_region", lambda module, args, graph=None: module)
     step = token2wav.CFMStep(token2wav.build_cfm(depth=2))
     spks, prompt_state = token2wav.prime_cfm(step)

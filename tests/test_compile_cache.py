@@ -19,7 +19,7 @@ import torch
 import cadence_fx
 from cadence_fx.cli import main
 from cadence_fx.models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
-from cadence_fx.pipeline import Options
+from cadence_fx.passes.pipeline import Options
 
 WIDTHS = [8, 8, 8, 8, 10]      # three extents, two widths: four classes
 

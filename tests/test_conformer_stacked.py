@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cadence_fx
-from cadence_fx.fx_utils import aten
+from cadence_fx.passes.fx_utils import aten
 
 from streaming_conformer import one_thread  # noqa: F401 - autouse: one intra-op thread per file
 from streaming_conformer import (FLUSH, STACKED_ADAPTER, chunk_feats, clone_state,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import cadence_fx
-from cadence_fx.fx_utils import aten
+from cadence_fx.passes.fx_utils import aten
 
 from op_count import OpCount, difference
 from streaming_conformer import one_thread  # noqa: F401 - autouse: one intra-op thread per file

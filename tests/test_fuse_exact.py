@@ -1,7 +1,7 @@
 """Exact fusion (passes/fuse_exact.py, cadence_fx/fusion.py): runs of pointwise ops become fused
 regions, each admitted only when its fused form gives the stock bits on the class's real inputs.
 
-On the CPU the pass makes no regions by default (``fusion.DEVICES``); the tests that exercise the
+On the CPU the pass makes no regions by default (``exact_ops.DEVICES``); the tests that exercise the
 whole path here let it fuse on the CPU too (Inductor's C++), where some regions are exact and some
 are not -- which is what the verification is for. Every stream is compared with ``torch.equal``
 against a stock module over whole turns (re-primed per speaker, flushes), and every test asserts
@@ -18,9 +18,10 @@ import torch
 import cadence_fx
 from cadence_fx import fusion
 from cadence_fx.fusion import FusedRegion, regions
-from cadence_fx.fx_utils import aten
-from cadence_fx.passes.fuse_exact import EXACT_OPS, fusible
-from cadence_fx.pipeline import Options
+from cadence_fx.passes import exact_ops
+from cadence_fx.passes.exact_ops import EXACT_OPS, fusible
+from cadence_fx.passes.fx_utils import aten
+from cadence_fx.passes.pipeline import Options
 
 from streaming_conformer import one_thread  # noqa: F401 - autouse: one intra-op thread per file
 from streaming_conformer import CONFORMER_ADAPTER, make_model, run_turns
@@ -66,7 +67,7 @@ def test_conformer_stream_runs_fused_regions_bit_exact(fuse_on_cpu, stock):
 
 def _written(module) -> int:
     """The position of the input a region's graph writes."""
-    from cadence_fx.fx_utils import written_bases
+    from cadence_fx.passes.fx_utils import written_bases
     (base,) = written_bases(module.graph)
     return [n for n in module.graph.nodes if n.op == "placeholder"].index(base)
 
@@ -120,7 +121,7 @@ def test_no_regions_on_a_cpu_step_by_default_nor_when_switched_off(stock, monkey
     e = next(iter(compiled.classes.values()))
     assert not _all_regions(compiled)
     assert e.records["fusion"]["skipped"] == "fusion is for device steps (cuda); this step runs on cpu"
-    monkeypatch.setattr(fusion, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(exact_ops, "DEVICES", ("cuda", "cpu"))
     off = _compiled(fuse_exact=False)
     assert same(stock, run_turns(off, TURNS, seed=5)[0])
     assert not _all_regions(off) and off.counters.fused_regions == 0
@@ -195,8 +196,8 @@ def _fused_graph(f, *args):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
     from cadence_fx import passes
-    from cadence_fx.context import PassContext
-    from cadence_fx.pipeline import FUSION_PREP
+    from cadence_fx.passes.context import PassContext
+    from cadence_fx.passes.pipeline import FUSION_PREP
     gm = torch.fx.experimental.proxy_tensor.make_fx(f)(*[a.clone() for a in args])
     FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*[a.clone() for a in args])
     ctx = PassContext(adapter=None, class_key="k", inputs=[], regions=[], module_buffers={})
@@ -204,6 +205,7 @@ def _fused_graph(f, *args):
         gm = getattr(passes, name)(gm, ctx).graph_module
     gm.graph.lint()
     gm.recompile()
+    fusion.make_regions(gm, ctx)   # the runtime's regions of the pass's specs
     return gm, regions(gm)
 
 
@@ -311,7 +313,7 @@ def test_equal_values_are_not_enough_bits_are_compared():
 def test_region_rewrite_keeps_views_used_after_it(fuse_on_cpu):
     """A view inside a region that is also read after it is made again outside, from the
     region's output, and the graph computes what it computed."""
-    from cadence_fx.context import PassContext
+    from cadence_fx.passes.context import PassContext
     from cadence_fx.passes.fuse_exact import fuse_exact
 
     def f(x, s, b):
@@ -329,6 +331,7 @@ def test_region_rewrite_keeps_views_used_after_it(fuse_on_cpu):
     result = fuse_exact(gm, ctx)
     gm = result.graph_module
     gm.recompile()
+    fusion.make_regions(gm, ctx)   # the runtime's regions of the pass's specs
     assert result.modified and len(regions(gm)) == 1
     r = regions(gm)[0]
     assert r.ops == ["aten.add.Tensor", "aten.mul.Tensor", "aten.add.Tensor", "aten.mul.Tensor"]
@@ -365,7 +368,7 @@ def _edges(dtype, n=4096, seed=0):
 
 
 def _dtypes(op):
-    from cadence_fx.passes.fuse_exact import FLOAT, INT
+    from cadence_fx.passes.exact_ops import FLOAT, INT
     kinds = EXACT_OPS[op][0]
     out = [torch.float32, torch.bfloat16] if set(FLOAT) <= set(kinds) else []
     out += [torch.int64] if set(INT) <= set(kinds) else []

@@ -16,14 +16,14 @@ from torch import nn
 
 import cadence_fx
 from cadence_fx.catalog import build_catalog
-from cadence_fx.context import PassContext
+from cadence_fx.passes.context import PassContext
 from cadence_fx.contract import APPEND, Adapter, Region, SlidingWindow
 from cadence_fx.counters import Counters
 from cadence_fx.errors import ContractError, GuardError
-from cadence_fx.fx_utils import aten
+from cadence_fx.passes.fx_utils import aten
 from cadence_fx.models.toy import CONV_ADAPTER, ConvLeftContextToy
-from cadence_fx.pipeline import Options
-from cadence_fx.replay import EagerBackend, GuardedPiece
+from cadence_fx.passes.pipeline import Options
+from cadence_fx.replay import EagerBackend, GuardedPiece, guard_pieces
 from cadence_fx.tracing import trace_step
 from helpers import side_by_side
 
@@ -402,6 +402,7 @@ def test_lowering_wraps_every_piece_and_counts_on_cpu():
     result, ctx, unsplit_out = _partition(m, named)
     lowered, before, after = _run_pass(lower_pass.lower_guarded, result.graph_module, ctx)
     assert lowered.modified and after == before  # same graph; the pieces changed behind it
+    guard_pieces(lowered.graph_module, ctx)   # the runtime's pieces of the pass's specs
     pieces = [getattr(lowered.graph_module, f"piece_{i}") for i in range(3)]
     assert all(isinstance(p, GuardedPiece) for p in pieces)
     assert [p.kind for p in pieces] == ["graph", "eager", "graph"]

@@ -11,8 +11,8 @@ from torch import nn
 
 import cadence_fx
 from cadence_fx.contract import Adapter
-from cadence_fx.fx_utils import aten
-from cadence_fx.pipeline import Options
+from cadence_fx.passes.fx_utils import aten
+from cadence_fx.passes.pipeline import Options
 from helpers import stream, window_adapter
 
 W = 8
@@ -208,7 +208,7 @@ def test_the_pass_keeps_the_call_when_the_window_fails_its_check():
     window whose envelope fails the bound keeps its istft, with the reason."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from cadence_fx.context import PassContext
+    from cadence_fx.passes.context import PassContext
     from cadence_fx.passes.host_checks import host_checks
     window = torch.zeros(16)
     window[:4] = 1.0

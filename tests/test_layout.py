@@ -1,10 +1,11 @@
-"""The house rules a reader relies on: no import cycle inside the package, no module past what one
-reader can hold, no function past what one screen shows. Walks the source, so it fails when a
-change breaks any of them."""
+"""The house rules a reader relies on: no import cycle inside the package, passes/ one layer that
+imports no runtime module, no module past what one reader can hold, no function past what one
+screen shows. Walks the source, so it fails when a change breaks any of them."""
 import ast
 import pathlib
 import subprocess
 import sys
+from typing import List, Optional
 
 import networkx as nx
 import pytest
@@ -16,6 +17,10 @@ PACKAGES = {"cadence_fx": ROOT / "cadence_fx", "cadence_fx.models": ROOT / "cade
             "cadence_fx.serve": ROOT / "cadence_fx" / "serve"}
 MAX_FUNCTION_LINES = 60   # CONTRIBUTING.md, "Short functions"
 MAX_LINES = 420   # "about 400" (CONTRIBUTING.md, "Short functions"), with a little slack for a docstring
+# what a module of passes/ may import ("Passes are one layer", CONTRIBUTING.md): passes/, the
+# adapter contract and errors of cadence_fx, torch, networkx and the standard library
+LAYER = ("cadence_fx.passes", "cadence_fx.contract", "cadence_fx.errors")
+LAYER_LIBRARIES = {"torch", "networkx", "__future__"} | set(sys.stdlib_module_names)
 
 
 def _modules():
@@ -25,17 +30,21 @@ def _modules():
             yield name, package, path
 
 
+def _from_module(node: ast.ImportFrom, name: str, package: str, is_package: bool) -> str:
+    """The absolute name of the module a ``from ... import`` reads (relative ones resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = (name if is_package else package).split(".")
+    base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(name: str, package: str, path: pathlib.Path):
     """Every cadence_fx module ``path`` imports, at module level or inside a function."""
     is_package = path.stem == "__init__"
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = (name if is_package else package).split(".")
-                base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, name, package, is_package)
             targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
@@ -71,6 +80,50 @@ def test_no_import_cycle_between_modules():
     g.remove_nodes_from(list(PACKAGES))
     cycles = sorted(sorted(c) for c in nx.simple_cycles(g))
     assert not cycles, f"import cycles: {cycles}"
+
+
+def _outside_the_layer(name: str, path: pathlib.Path, source: Optional[str] = None) -> List[str]:
+    """What a module of passes/ imports beyond ``LAYER`` and ``LAYER_LIBRARIES``, at module level
+    or inside a function (``from cadence_fx import fusion`` is an import of cadence_fx.fusion)."""
+    known = {n for n, _, _ in _modules()}
+    found = []
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
+        if isinstance(node, ast.ImportFrom):
+            mod = _from_module(node, name, "cadence_fx.passes", path.stem == "__init__")
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        found += [t for t in targets if t.split(".")[0] not in LAYER_LIBRARIES
+                  and not any(t == allowed or t.startswith(allowed + ".") for allowed in LAYER)]
+    return sorted(set(found))
+
+
+PASSES = [(n, p) for n, package, p in _modules() if package == "cadence_fx.passes"]
+
+
+@pytest.mark.parametrize("name,path", PASSES, ids=lambda v: str(v))
+def test_passes_are_one_layer(name, path):
+    """A module of passes/ imports passes/, the adapter contract and errors, torch and networkx:
+    runtime objects are built from the specs it emits (``passes/specs.py``), not by it."""
+    outside = _outside_the_layer(name, path)
+    assert not outside, (f"{name} imports {outside}; emit a spec (passes/specs.py) for the runtime "
+                         "to build, or move what it needs into passes/")
+
+
+def test_the_layer_check_sees_an_import_of_the_runtime():
+    path = ROOT / "passes" / "lower_guarded.py"
+    assert len(PASSES) > 20
+    assert _outside_the_layer("cadence_fx.passes.lower_guarded", path,
+                              "import operator\nimport torch.fx\nimport networkx as nx\n"
+                              "from cadence_fx.contract import APPEND\nfrom .context import PassContext\n"
+                              "from cadence_fx.errors import CadenceError\n") == []
+    assert _outside_the_layer("cadence_fx.passes.lower_guarded", path,
+                              "from cadence_fx.replay import GuardedPiece\nimport numpy\n"
+                              "def f():\n    from cadence_fx import fusion\n"
+                              "    from .. import audit\n") == \
+        ["cadence_fx.audit", "cadence_fx.fusion", "cadence_fx.replay", "numpy"]
 
 
 @pytest.mark.parametrize("name,path", [(n, p) for n, _, p in _modules()], ids=lambda v: str(v))

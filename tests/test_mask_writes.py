@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import cadence_fx
-from cadence_fx.fx_utils import aten
-from cadence_fx.pipeline import Options
+from cadence_fx.passes.fx_utils import aten
+from cadence_fx.passes.pipeline import Options
 from helpers import same, stream, window_adapter
 
 W = 6

@@ -1,4 +1,4 @@
-"""The pass pipeline (``cadence_fx/pipeline.py``): every rewrite is a registered pass with its
+"""The pass pipeline (``passes/pipeline.py``): every rewrite is a registered pass with its
 switch and its record, the order is checked (``ORDER``, ``NEEDS``) rather than stated in comments,
 and each pass's ``modified`` says whether it rewrote anything. The four rewrites that prepare
 fusion (``passes/fusion_prep.py``) are checked on the decoder's server traffic (its K/V caches
@@ -11,7 +11,7 @@ import pytest
 
 import cadence_fx
 from cadence_fx import passes
-from cadence_fx.pipeline import (FUSION_PREP, ORDER, Options, PipelineOrderError, build_pipeline,
+from cadence_fx.passes.pipeline import (FUSION_PREP, ORDER, Options, PipelineOrderError, build_pipeline,
                                  check_order)
 
 from streaming_conformer import one_thread  # noqa: F401 - autouse: one intra-op thread per file

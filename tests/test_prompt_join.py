@@ -17,10 +17,10 @@ from torch import nn
 
 import cadence_fx
 from cadence_fx.catalog import build_catalog
-from cadence_fx.context import Carry, PassContext, RegionBinding
+from cadence_fx.passes.context import Carry, PassContext, RegionBinding
 from cadence_fx.contract import APPEND, PREPEND, Adapter, PromptRetained, Region
 from cadence_fx.counters import Counters
-from cadence_fx.fx_utils import CATS, aten
+from cadence_fx.passes.fx_utils import CATS, aten
 from cadence_fx.tracing import trace_step
 
 from streaming_prompt_decoder import (CHUNK, LAYERS, PROMPT, RETAINED, make_decoder,

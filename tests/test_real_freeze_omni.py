@@ -6,7 +6,7 @@ import torch
 
 import cadence_fx
 from cadence_fx import adapters
-from cadence_fx.fx_utils import aten
+from cadence_fx.passes.fx_utils import aten
 from cadence_fx.models.freeze_omni import FreezeOmniEncoder
 from op_count import OpCount, difference
 from helpers import same

@@ -120,7 +120,7 @@ def test_a_steady_chunk_launches_no_more_kernels_than_stock():
 
 def test_without_the_host_check_pass_istft_stays_an_eager_piece():
     """The ablation: ``Options(host_checks=False)`` keeps the stock call, eager with its reason."""
-    from cadence_fx.pipeline import Options
+    from cadence_fx.passes.pipeline import Options
     step = token2wav.HiFTStep(token2wav.build_hift())
     g = torch.Generator().manual_seed(2)
     mels = [torch.randn(1, 80, w, generator=g) for w in TURN]

@@ -4,7 +4,7 @@ fused region from its stored code without compiling or verifying it; regions wit
 share one entry; an edited pass gives new keys (a recompile); a damaged, truncated or foreign
 entry is reported and compiled again; a stored kernel met at another layout is verified again;
 ``CADENCE_FX_RECHECK_FUSION=1`` verifies every region. On the CPU the regions are Inductor's C++
-(``fusion.DEVICES`` opened to the CPU), on the device its Triton kernels."""
+(``exact_ops.DEVICES`` opened to the CPU), on the device its Triton kernels."""
 from __future__ import annotations
 
 import json
@@ -20,6 +20,7 @@ import torch
 import cadence_fx
 from cadence_fx import fusion, region_kernels
 from cadence_fx.fusion import FusedRegion, regions
+from cadence_fx.passes import exact_ops
 from cadence_fx.region_kernels import KernelStore
 
 from streaming_conformer import one_thread  # noqa: F401 - autouse: one intra-op thread per file
@@ -31,7 +32,7 @@ HERE = Path(__file__).parent
 
 @pytest.fixture
 def fuse_on_cpu(monkeypatch):
-    monkeypatch.setattr(fusion, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(exact_ops, "DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(fusion, "_COMPILED", {})
     monkeypatch.setattr(KernelStore, "_open", {})
     yield
@@ -78,9 +79,10 @@ def test_a_fresh_process_with_empty_inductor_caches_starts_warm(fuse_on_cpu, sto
         import pytest, torch
         import cadence_fx
         from cadence_fx import fusion
+        from cadence_fx.passes import exact_ops
         from streaming_decoder import DECODER_ADAPTER, make_decoder
         from test_decoder_lifecycle import _same, script
-        fusion.DEVICES = ("cuda", "cpu")
+        exact_ops.DEVICES = ("cuda", "cpu")
         def no_compiler(module, args, graph=None):
             raise AssertionError("compiled again")
         fusion.compile_region = no_compiler
@@ -312,9 +314,10 @@ def test_generated_modules_load_as_kept_code_objects(fuse_on_cpu, stock, tmp_pat
         import torch
         import cadence_fx
         from cadence_fx import code_objects, fusion
+        from cadence_fx.passes import exact_ops
         from streaming_decoder import DECODER_ADAPTER, make_decoder
         from test_decoder_lifecycle import _same, script
-        fusion.DEVICES = ("cuda", "cpu")
+        exact_ops.DEVICES = ("cuda", "cpu")
         torch.set_num_threads(1)
         stock = script(make_decoder())
         warm = cadence_fx.compile(make_decoder(), DECODER_ADAPTER, cache_dir={str(tmp_path / "cache")!r})

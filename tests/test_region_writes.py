@@ -11,7 +11,7 @@ import torch
 
 from cadence_fx import fusion
 from cadence_fx.fusion import FusedRegion
-from cadence_fx.fx_utils import WRITES, aten, written_bases
+from cadence_fx.passes.fx_utils import WRITES, aten, written_bases
 
 from test_fuse_exact import _fused_graph
 

@@ -22,7 +22,7 @@ import cadence_fx
 from cadence_fx.counters import Counters
 from cadence_fx.errors import GuardError
 from cadence_fx.models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
-from cadence_fx.pipeline import Options
+from cadence_fx.passes.pipeline import Options
 from cadence_fx.replay import EagerBackend, GuardedPiece
 from replay_stand_in import StandInBackend
 from helpers import same, stream

@@ -68,7 +68,7 @@ def _stream(step, xs, device):
 
 
 def _cats_left(compiled) -> int:
-    from cadence_fx.fx_utils import CATS
+    from cadence_fx.passes.fx_utils import CATS
     return sum(n.target in CATS for e in compiled.classes.values()
                for m in e.gm.modules() if isinstance(m, torch.fx.GraphModule)
                for n in m.graph.nodes)

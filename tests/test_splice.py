@@ -8,7 +8,7 @@ import cadence_fx
 from cadence_fx import adapters
 from cadence_fx.contract import Adapter, PromptRetained, Region
 from cadence_fx.errors import ContractError
-from cadence_fx.pipeline import Options
+from cadence_fx.passes.pipeline import Options
 from cadence_fx.tracing import bind_arguments, trace_step
 from graph_compare import difference
 from stock_packages import TOKEN2WAV, missing

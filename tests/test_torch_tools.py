@@ -23,7 +23,7 @@ from torch.func import functionalize
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cadence_fx
-from cadence_fx.fx_utils import aten
+from cadence_fx.passes.fx_utils import aten
 from cadence_fx.passes.cat_in_place import write_cats_in_place
 from cadence_fx.passes.region_writes import functional_temporaries
 from cadence_fx.tracing import trace_step

@@ -1,5 +1,6 @@
-"""What the passes of one signature class share: the adapter, the bindings of regions to graph
-nodes, the carries, and a record of every rewrite for the report."""
+"""What the passes of one signature class share: the adapter, what each input of the graph is, the
+bindings of regions to graph nodes, the carries, the specs the passes emit for the runtime, and a
+record of every rewrite for the report."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,10 +10,17 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from .contract import Adapter, Region
-from .tracing import InputSpec
+from cadence_fx.contract import Adapter, Region
 
-__all__ = ["Carry", "RegionBinding", "PassContext"]
+from .specs import CarryAuditor, Specs
+
+__all__ = ["InputSpec", "Carry", "RegionBinding", "PassContext"]
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    kind: str   # "param" | "buffer" | "arg" | "carry"
+    name: str   # the parameter/buffer name, the argument path ("cache.estimator_att_cache"), the region
 
 
 @dataclasses.dataclass
@@ -74,7 +82,9 @@ class PassContext:
     regions: List[RegionBinding]
     module_buffers: Dict[str, torch.Tensor]
     verify: bool = False
-    auditor: Any = None
+    auditor: Optional[CarryAuditor] = None   # the runtime's shadow auditor, with ``verify``
+    # what the runtime builds the specs' objects with (``fusion.make_regions``,
+    # ``replay.guard_pieces``); the passes do not read them
     backend: Any = None
     counters: Any = None
     strict: bool = False
@@ -82,6 +92,7 @@ class PassContext:
     alias_state: bool = False   # ablation Rc: region inputs bound by address, without carries
     records: Dict[str, list] = dataclasses.field(default_factory=lambda: {
         "rewrites": [], "near_misses": [], "constants": [], "pieces": [], "passes": []})
+    specs: Specs = dataclasses.field(default_factory=Specs)   # for the runtime (``specs.py``)
 
     def placeholders(self, gm: GraphModule) -> List[Node]:
         return [n for n in gm.graph.nodes if n.op == "placeholder"]

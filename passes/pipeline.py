@@ -6,8 +6,11 @@ constants first (so host work leaves the graph before partitioning), host-side c
 constants made once, the carry pass next (it introduces the in-place writes), masked writes as
 selects (so they need not split the graph), the four rewrites that prepare fusion
 (``passes/fusion_prep.py``), pointwise runs as fused regions (after every rewrite that adds ops,
-before the pieces are cut), then the shape-enumeration partition, and the lowering last (it adds
-the pieces' runtime state; the fused regions hold the only other). One flag per pass.
+before the pieces are cut), then the shape-enumeration partition, and the lowering last (its specs
+are the pieces' runtime state; the fused regions' are the only other). One flag per pass.
+
+The passes emit specs of the runtime objects a class needs (``specs.py``); the runtime builds
+them after ``run_pipeline`` (``cadence_fx/class_compiler.py``).
 """
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ from typing import Callable, List, Tuple
 
 from torch.fx import GraphModule
 
+from cadence_fx.errors import CadenceError
+
 from .context import PassContext
-from .errors import CadenceError
 from .fx_utils import generate_code
 
 __all__ = ["Options", "ORDER", "NEEDS", "build_pipeline", "check_order", "run_pipeline", "PassFailed",

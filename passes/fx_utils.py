@@ -19,7 +19,7 @@ __all__ = ["aten", "CATS", "VIEW_OPS", "WRITES", "is_mutating", "mutated_arg", "
            "slice_bounds", "attr_value",
            "val", "dead_code_elimination", "SIDE_EFFECTS", "storage_key", "returns_self",
            "mutated_attributes", "written_bases", "graph_module", "code_deferred",
-           "generate_code", "step_device", "subgraph"]
+           "generate_code", "step_device", "subgraph", "stride_order", "describe"]
 
 aten = torch.ops.aten
 INT_MAX = 2 ** 63 - 1
@@ -225,3 +225,17 @@ def attr_value(gm, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+# -- layouts ----------------------------------------------------------------------------------
+# The rule that decides by them is ``cadence_fx/layouts.py``; the carry pass applies it too.
+
+def stride_order(t) -> Tuple[int, ...]:
+    """The dims of ``t`` of size > 1, outermost first: the order a kernel walks it in."""
+    return tuple(sorted((i for i in range(t.dim()) if t.shape[i] > 1),
+                        key=lambda i: (-t.stride(i), i)))
+
+
+def describe(t) -> str:
+    """``strides (192, 1, 16), dims outermost first (0, 2, 1)``."""
+    return f"strides {tuple(t.stride())}, dims outermost first {stride_order(t)}"
