@@ -2,9 +2,10 @@
 results bit for bit.
 
 * ``stream(step, xs, start, key)``: ``y, state = step(x, state)`` for every chunk under
-  ``torch.no_grad()``, from ``start`` (a state, or a callable making a fresh one) and back to it
-  at ``reset_at`` (a turn reset; the middle of the stream by default); returns
-  ``[(y, state[key])]``, cloned.
+  ``torch.no_grad()`` (or ``mode=torch.inference_mode``), from ``start`` (a state, or a callable
+  making a fresh one) and back to it at ``reset_at`` (a turn reset; the middle of the stream by
+  default); returns ``[(y, state[key])]`` (the whole state where ``key`` is None), cloned
+  (``clone``: nested results, detached).
 * ``same(a, b)``: nested outputs (tensors, dicts, lists, tuples, None, numbers) equal: the same
   structure, dict keys and lengths, and ``torch.equal`` on every pair of tensors. With
   ``bits=True`` floats are compared by their bit patterns (``bits``): ``torch.equal`` calls -0.0
@@ -14,6 +15,8 @@ results bit for bit.
 * ``window_adapter(name, shape, w=, c=)``: the small adapter most hand-written steps need, one
   region ``k`` kept as a sliding window of ``W`` frames, read from ``cache.k``, returned as
   ``1.k``, ``c`` frames per call of ``x``.
+* ``seed_weights(module, seed)``: every parameter drawn from one seeded generator, scaled so that
+  a stack of layers keeps its activations near unit size (the hand-written models' weights).
 * ``StandInBackend``: the CPU stand-in of the device-graph backend
   (``cadence_fx/replay_stand_in.py``).
 """
@@ -26,16 +29,18 @@ import torch
 from cadence_fx.contract import APPEND, Adapter, Region, SlidingWindow
 from cadence_fx.replay_stand_in import Capture, StandInBackend
 
-__all__ = ["stream", "side_by_side", "same", "bits", "window_adapter", "StandInBackend", "Capture"]
+__all__ = ["stream", "clone", "side_by_side", "same", "bits", "window_adapter", "seed_weights",
+           "StandInBackend", "Capture"]
 
 _INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
         torch.bfloat16: torch.int16}
 
 
-def stream(step, xs, start, key: str, *, reset_at: Optional[int] = None,
-           before: Optional[Callable[[int], None]] = None):
-    """Outputs and states (``state[key]``), cloned, of ``step`` over ``xs`` with one turn reset
-    at ``reset_at`` (default ``len(xs) // 2``); ``before(i)`` runs before chunk ``i``."""
+def stream(step, xs, start, key: Optional[str], *, reset_at: Optional[int] = None,
+           before: Optional[Callable[[int], None]] = None, mode=torch.no_grad):
+    """Outputs and states (``state[key]``, or the whole state where ``key`` is None), cloned, of
+    ``step`` over ``xs`` under ``mode()`` with one turn reset at ``reset_at`` (default
+    ``len(xs) // 2``); ``before(i)`` runs before chunk ``i``."""
     fresh = start if callable(start) else (lambda: start)
     reset_at = len(xs) // 2 if reset_at is None else reset_at
     state, outs = fresh(), []
@@ -44,10 +49,21 @@ def stream(step, xs, start, key: str, *, reset_at: Optional[int] = None,
             before(i)
         if i == reset_at:
             state = fresh()
-        with torch.no_grad():
+        with mode():
             y, state = step(x, state)
-        outs.append((y.clone(), state[key].clone()))
+        outs.append(clone((y, state if key is None else state[key])))
     return outs
+
+
+def clone(x):
+    """A detached copy of a nested result: its tensors cloned, dicts, lists and tuples rebuilt."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: clone(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(clone(v) for v in x)
+    return x
 
 
 def side_by_side(ours, stock, xs, start, *, state_at: int = 1):
@@ -96,3 +112,14 @@ def window_adapter(name: str, shape, *, w: int, c: int, region: str = "k", order
         regions=(Region(name=region, input=f"cache.{region}", output=f"1.{region}", dim=dim,
                         retention=SlidingWindow("W"), advance="c", ordering=order, shape=shape),),
         call_frames=("c",), call_input="x", call_dim=dim, **adapter)
+
+
+def seed_weights(module: torch.nn.Module, seed: int) -> None:
+    """Every parameter of ``module`` from one generator seeded ``seed``, in ``named_parameters``
+    order: matrices by ``1 / sqrt(fan_in)``, biases near 0, other vectors (norm scales) near 1."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            p.copy_(r / max(1, p[0].numel()) ** 0.5 if p.dim() > 1
+                    else (0.05 * r if name.endswith("bias") else 1 + 0.1 * r))

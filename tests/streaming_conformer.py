@@ -38,7 +38,8 @@ from cadence_fx.passes.fx_utils import is_mutating, mutated_arg, view_chain
 
 __all__ = ["one_thread", "StreamingConformer", "CONFORMER_ADAPTER", "STACKED_ADAPTER", "CLOCKS", "LAYERS", "BINS", "PROMPT",
            "CHUNKS", "FLUSH", "make_model", "prompt_feats", "chunk_feats", "clone_state",
-           "prime", "run_turns", "interleave", "joins_feeding_carries", "State"]
+           "prime", "run_turns", "interleave", "run_alone", "serve_scripts", "assert_calls_equal",
+           "assert_sessions_equal", "joins_feeding_carries", "State"]
 
 LAYERS, D_MODEL, HEADS, FFN, BINS, KERNEL = 3, 64, 4, 256, 80, 5
 PROMPT, WINDOW, CHUNKS, FLUSH = 16, 24, (8, 12), 4
@@ -276,6 +277,83 @@ def interleave(scripts: Sequence[Sequence], arrivals: Sequence[int], seed: int):
         order.append((i, scripts[i][pos[i]]))
         pos[i] += 1
     return order
+
+
+def run_alone(step, rng_seed: int, feats: Sequence[torch.Tensor], script: Sequence,
+              start: Optional[State] = None, prompt: Optional[torch.Tensor] = None):
+    """One session's ``script`` by itself on ``step``, its generator seeded ``rng_seed``, its own
+    state from ``start``: an int is a call on that chunk of ``feats``, ``"prime"`` a call on
+    ``prompt`` without state, ``"save"`` clones the state, ``"retry"`` goes back to it,
+    ``"reset"`` back to ``start``, ``"close"`` ends it. Returns every call's output, cloned."""
+    torch.manual_seed(rng_seed)
+    outs, state, saved = [], start, None
+    for op in script:
+        if op == "save":
+            saved = clone_state(state)
+        elif op == "retry":
+            state = saved
+        elif op == "reset":
+            state = start
+        elif op != "close":
+            x, state = (prompt, None) if op == "prime" else (feats[op], state)
+            with torch.no_grad():
+                out, state = step(x, state)
+            outs.append(out.clone())
+    return outs
+
+
+def serve_scripts(pool, sessions: Sequence[Tuple], arrivals: Sequence[int], feats, seed: int,
+                  start=lambda speaker: None, prompt=prompt_feats):
+    """The sessions ``(speaker, generator seed, feature seed, script)`` served through ``pool``
+    in one interleaving (``interleave(..., seed)``), each opened from ``start(speaker)`` with its
+    generator seed at its first op; the ops as in ``run_alone``, ``"prime"`` resetting the session
+    to no state and calling on ``prompt(speaker)``. Returns the outputs per session (cloned), the
+    session ids and how often a session arrived, was primed or retired while others streamed."""
+    ids, saved, outs = {}, {}, [[] for _ in sessions]
+    seen = dict.fromkeys(("arrived", "primed", "retired"), 0)
+    for i, op in interleave([script for *_, script in sessions], arrivals, seed=seed):
+        speaker, rng_seed = sessions[i][:2]
+        if i not in ids:
+            seen["arrived"] += bool(pool.sessions)
+            ids[i] = pool.open(start(speaker), seed=rng_seed)
+        sid = ids[i]
+        if op == "save":
+            saved[i] = clone_state(pool.state(sid))   # region entries are views of the carries
+        elif op == "retry":
+            pool.reset(sid, saved[i])
+        elif op == "reset":
+            pool.reset(sid, start(speaker))
+        elif op == "close":
+            pool.close(sid)
+            seen["retired"] += bool(pool.sessions)
+        else:
+            if op == "prime":
+                seen["primed"] += len(pool.sessions) > 1
+                pool.reset(sid, None)
+            with torch.no_grad():
+                out, _ = pool.step(sid, prompt(speaker) if op == "prime" else feats[i][op])
+            outs[i].append(out.clone())
+    return outs, ids, seen
+
+
+def assert_calls_equal(got, want):
+    """``(output, state)`` per call (``run_turns``) equal to stock's: every output and every
+    state tensor, key by key, with ``torch.equal``."""
+    assert len(got) == len(want)
+    for i, ((out, state), (ref_out, ref_state)) in enumerate(zip(got, want)):
+        assert torch.equal(out, ref_out), f"call {i}: output differs from stock"
+        assert state.keys() == ref_state.keys(), f"call {i}"
+        for k in ref_state:
+            assert state[k].shape == ref_state[k].shape, f"call {i}: state {k!r} shape"
+            assert torch.equal(state[k], ref_state[k]), f"call {i}: state {k!r} differs from stock"
+
+
+def assert_sessions_equal(outs, alone, what: str = "call"):
+    """Every session's outputs equal, call by call, those of the session run alone."""
+    for i, (got, want) in enumerate(zip(outs, alone, strict=True)):
+        assert len(got) == len(want) > 0, f"session {i}"
+        for j, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"session {i} {what} {j} differs from the session run alone"
 
 
 def joins_feeding_carries(entry, joins) -> List[Tuple[str, str]]:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cadence_fx.contract import APPEND, PREPEND, Adapter, PromptRetained, Region, Ring
+from helpers import seed_weights
 
 __all__ = ["StreamingDecoder", "DECODER_ADAPTER", "make_decoder", "prompt", "chunks", "clone"]
 
@@ -78,12 +79,7 @@ class StreamingDecoder(nn.Module):
         self.register_buffer("kv_buffer", torch.zeros(LAYERS, 1, HEADS, BUFFER, 2 * HEAD_DIM),
                              persistent=False)
         self.register_buffer("conv_buffer", torch.zeros(LAYERS, 1, D_MODEL, 2), persistent=False)
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                r = torch.randn(p.shape, generator=g)
-                p.copy_(r / max(1, p[0].numel()) ** 0.5 if p.dim() > 1
-                        else (0.05 * r if name.endswith("bias") else 1 + 0.1 * r))
+        seed_weights(self, seed)
 
     def forward(self, x: torch.Tensor, state: Optional[Dict[str, torch.Tensor]] = None):
         b, t, _ = x.shape

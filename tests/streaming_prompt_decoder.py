@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cadence_fx.contract import APPEND, Adapter, PromptRetained, Region, SlidingWindow
+from helpers import seed_weights
 
 __all__ = ["PromptDecoder", "prompt_adapter", "make_decoder", "serve", "LAYERS", "PROMPT",
            "RETAINED", "CHUNK", "FLUSH"]
@@ -93,12 +94,7 @@ class PromptDecoder(nn.Module):
         self.layers = nn.ModuleList(_Layer(order) for _ in range(LAYERS))
         self.cond = nn.Linear(HIST, D_MODEL)
         self.to_hist, self.to_mel = nn.Linear(D_MODEL, HIST), nn.Linear(D_MODEL, BINS)
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                r = torch.randn(p.shape, generator=g)
-                p.copy_(r / max(1, p[0].numel()) ** 0.5 if p.dim() > 1
-                        else (0.05 * r if name.endswith("bias") else 1 + 0.1 * r))
+        seed_weights(self, seed)
 
     def forward(self, tokens: torch.Tensor, state: Optional[State] = None):
         h = self.embed(tokens)
@@ -109,10 +105,14 @@ class PromptDecoder(nn.Module):
             cached = [state[f"{kind}{i}"] if state is not None else None for kind in "kv"]
             conv = state[f"conv{i}"] if state is not None else None
             h, new[f"k{i}"], new[f"v{i}"], new[f"conv{i}"] = layer(h, *cached, conv)
+        new["hist"] = self.history(h, state)
+        return self.to_mel(h), new
+
+    def history(self, h: torch.Tensor, state: Optional[State]) -> torch.Tensor:
+        """The prosody history: this call's frames joined to the state's."""
         # contiguous: the next call's mean over frames gives other bits on a transposed state
         hist = self.to_hist(h).transpose(1, 2).contiguous()
-        new["hist"] = _join(self.order, state["hist"] if state is not None else None, hist)
-        return self.to_mel(h), new
+        return _join(self.order, state["hist"] if state is not None else None, hist)
 
 
 def prompt_adapter(order: str = APPEND) -> Adapter:

@@ -35,23 +35,27 @@ class Nested(nn.Module):
         return x * 2, out, other
 
 
-def test_a_region_key_the_container_lacks_is_a_contract_error_naming_the_select():
-    c = cadence_fx.compile(Nested(), _adapter("cache.inner.a", "cache.inner.b"))
+def _contract_error(paths, keys):
+    """The compiled ``Nested`` under regions at ``paths``, called with ``cache["inner"]`` holding
+    ``keys``: the step and the contract error's text."""
+    c = cadence_fx.compile(Nested(), _adapter(*paths))
     x, a = torch.randn(1, 2, 2), torch.randn(1, 2, 4)
     with pytest.raises(cadence_fx.ContractError) as e:
-        c(x, {"inner": {"a": a, "z": a}})
-    assert str(e.value) == (
+        c(x, {"inner": {k: a for k in keys}})
+    return c, str(e.value)
+
+
+def test_a_region_key_the_container_lacks_is_a_contract_error_naming_the_select():
+    c, error = _contract_error(("cache.inner.a", "cache.inner.b"), "az")
+    assert error == (
         "region 'b' of adapter 'two' reads 'cache.inner.b', but the step's 'cache.inner' holds "
         "['a', 'z']; compile with adapter.select('a') or fix the region's `input`")
     assert (c.counters.calls, c.counters.fallbacks, c.counters.traces) == (1, 0, 0)
 
 
 def test_the_select_names_every_region_the_call_has():
-    c = cadence_fx.compile(Nested(), _adapter("cache.inner.a", "cache.inner.b", "cache.inner.c"))
-    x, a = torch.randn(1, 2, 2), torch.randn(1, 2, 4)
-    with pytest.raises(cadence_fx.ContractError) as e:
-        c(x, {"inner": {"a": a, "b": a}})
-    assert str(e.value) == (
+    _, error = _contract_error(("cache.inner.a", "cache.inner.b", "cache.inner.c"), "ab")
+    assert error == (
         "region 'c' of adapter 'two' reads 'cache.inner.c', but the step's 'cache.inner' holds "
         "['a', 'b']; compile with adapter.select('a', 'b') or fix the region's `input`")
 

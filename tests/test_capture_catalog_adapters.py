@@ -19,7 +19,7 @@ import cadence_fx
 from cadence_fx import adapters
 from cadence_fx.contract import APPEND, Adapter, Region, SlidingWindow
 from cadence_fx.counters import Counters
-from cadence_fx.demo_streams import _clone   # a detached copy of a nested result
+from helpers import clone, stream
 from stock_packages import MOSHI, TOKEN2WAV, require
 
 
@@ -48,7 +48,7 @@ def _same(stock, ours) -> bool:
 def _capture(c, mode, *args, **kwargs):
     """``capture_catalog`` under ``mode``: returns its verdicts, checking that it left the
     example and the counters as they were."""
-    before = _clone((args, kwargs))
+    before = clone((args, kwargs))
     with mode():
         done = c.capture_catalog(*args, **kwargs)
     assert _same(before, (args, kwargs))
@@ -119,7 +119,7 @@ def test_capture_catalog_with_0d_and_low_rank_tensor_arguments():
                 cache, off = torch.zeros(1, 8, 0), offset   # turn reset
             with torch.no_grad():
                 y, cache, off = step(x, cache, off, gain, bias)
-            outs.append(_clone((y, cache, off)))
+            outs.append(clone((y, cache, off)))
         return outs
 
     _stream_checks(c, run(m), run(c), classes=4)
@@ -169,7 +169,7 @@ def _decoder_stream(step, fresh, tokens=7, reset_at=5):
             state = fresh()
         with torch.no_grad():
             logits, state = step(torch.tensor([[i % 32]]), state)
-        outs.append(_clone((logits, state)))
+        outs.append(clone((logits, state)))
     return outs
 
 
@@ -218,14 +218,7 @@ def _freeze_omni():
     _all_compiled(c, done)
 
     def run(step):
-        outs, state = [], enc.initial_state()
-        for i, f in enumerate(feats):
-            if i == 4:
-                state = enc.initial_state()
-            with torch.inference_mode():
-                y, state = step(f, state)
-            outs.append(_clone((y, state)))
-        return outs
+        return stream(step, feats, enc.initial_state, None, reset_at=4, mode=torch.inference_mode)
 
     _stream_checks(c, run(enc), run(c), classes=2)
 
@@ -266,14 +259,8 @@ def _cfm(name):
     _all_compiled(c, done)
 
     def run(s):
-        outs, state = [], prompt
-        for i, (mu, cond) in enumerate(chunks):
-            if i == 3:
-                state = prompt
-            with torch.inference_mode():
-                mel, state = s(mu, spks, cond, state)
-            outs.append(_clone((mel, state)))
-        return outs
+        return stream(lambda chunk, state: s(chunk[0], spks, chunk[1], state), chunks, prompt,
+                      None, reset_at=3, mode=torch.inference_mode)
 
     _stream_checks(c, run(step), run(c), classes=4)
 
@@ -306,14 +293,9 @@ def _hift():
 
     def run(s):
         torch.manual_seed(77)   # HiFT draws device randomness: the same start on both sides
-        outs, cache = [], token2wav.empty_hift_cache()
-        for i, mel in enumerate(mels):
-            if i == 3:
-                cache = token2wav.empty_hift_cache()
-            with torch.inference_mode():
-                pcm, cache = s(mel, cache, last_chunk=last[i])
-            outs.append(_clone((pcm, cache)))
-        return outs
+        return stream(lambda call, cache: s(call[0], cache, last_chunk=call[1]),
+                      list(zip(mels, last)), token2wav.empty_hift_cache, None, reset_at=3,
+                      mode=torch.inference_mode)
 
     _stream_checks(c, run(step), run(c), classes=5)
 
@@ -342,14 +324,8 @@ def _flow():
         assert c.prepare(tokens[2], spk, at_window, last_chunk=True)
 
     def run(s):
-        outs, state = [], prompt
-        for i, tok in enumerate(tokens):
-            if i == 3:
-                state = prompt
-            with torch.inference_mode():
-                mel, state = s(tok, spk, state, last_chunk=last[i])
-            outs.append(_clone((mel, state)))
-        return outs
+        return stream(lambda call, state: s(call[0], spk, state, last_chunk=call[1]),
+                      list(zip(tokens, last)), prompt, None, reset_at=3, mode=torch.inference_mode)
 
     _stream_checks(c, run(step), run(c), classes=3)
 
@@ -367,7 +343,7 @@ def _moshi_run(c, step, frames, reset_at):
             state = step.initial_state()
         with torch.no_grad():
             a, b, state = c(frame, state)
-        outs.append(_clone((a, b)))
+        outs.append(clone((a, b)))
     return outs
 
 
@@ -402,7 +378,7 @@ def _moshi(name):
     # eagerly: the stock step decodes the tokens it finds), each compiling the catalog's class
     examples, state = [], step.initial_state()
     for frame in frames[:3]:
-        examples.append(_clone(state))
+        examples.append(clone(state))
         with torch.no_grad():
             state = step(frame, state)[2]
     for offset, example in enumerate(examples):

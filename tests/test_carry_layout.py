@@ -32,21 +32,12 @@ class TransposedHistory(spd.PromptDecoder):
         super().__init__()
         self.form = form
 
-    def forward(self, tokens, state=None):
-        h = self.embed(tokens)
-        if state is not None:
-            h = h + self.cond(state["hist"].mean(2)).unsqueeze(1)
-        new = {}
-        for i, layer in enumerate(self.layers):
-            cached = [state[f"{kind}{i}"] if state is not None else None for kind in "kv"]
-            conv = state[f"conv{i}"] if state is not None else None
-            h, new[f"k{i}"], new[f"v{i}"], new[f"conv{i}"] = layer(h, *cached, conv)
+    def history(self, h, state):
         hist = self.to_hist(h).transpose(1, 2)
         hist = spd._join(self.order, state["hist"] if state is not None else None, hist)
         if self.form == "transposed":
             hist = hist.transpose(1, 2).contiguous().transpose(1, 2)
-        new["hist"] = hist
-        return self.to_mel(h), new
+        return hist
 
 
 def _stream(form, device, **options):

@@ -815,20 +815,25 @@ def _lockstep(compiled, model, calls: int, seed: int) -> None:
         assert torch.equal(y, y_ref) and torch.equal(ours, ref)
 
 
+def _materialized(model, calls: int, seed: int):
+    """``model`` compiled on a window of 4, ``calls`` chunks in lockstep with stock (every call
+    compiled, none falling back): its steady class, whose one rewrite must be the carry's
+    ``materialize``, as ``(copies, clones)`` in its graph."""
+    compiled = cadence_fx.compile(model, _window_adapter(4, 2))
+    _lockstep(compiled, model, calls=calls, seed=seed)
+    assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (calls, 0)
+    (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
+    assert [r["kind"] for r in steady.records["rewrites"]] == ["materialize"]
+    nodes = _graph_nodes(steady)
+    return sum(n.target is COPY for n in nodes), sum(n.target is CLONE for n in nodes)
+
+
 @pytest.mark.parametrize("users,kwargs,clones", [(1, False, 0), (2, False, 1), (1, True, 1)],
                          ids=["copied-from-its-source", "read-by-the-step", "memory-format"])
 def test_a_cloned_state_is_copied_from_its_source_once(users, kwargs, clones):
     """A clone read only as the new state is not made: the carry copies its source, once, as
     stock copies it. A clone the step reads too, or one with arguments, stays."""
-    model = CloneState(users, kwargs)
-    compiled = cadence_fx.compile(model, _window_adapter(4, 2))
-    _lockstep(compiled, model, calls=3, seed=1)
-    assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (3, 0)
-    (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
-    assert [r["kind"] for r in steady.records["rewrites"]] == ["materialize"]
-    nodes = _graph_nodes(steady)
-    assert sum(n.target is COPY for n in nodes) == 1
-    assert sum(n.target is CLONE for n in nodes) == clones
+    assert _materialized(CloneState(users, kwargs), calls=3, seed=1) == (1, clones)
 
 
 class KeepsItsState(nn.Module):
@@ -841,14 +846,7 @@ class KeepsItsState(nn.Module):
 
 
 def test_a_clone_of_the_carry_is_kept_as_the_source_of_the_copy():
-    model = KeepsItsState()
-    compiled = cadence_fx.compile(model, _window_adapter(4, 2))
-    _lockstep(compiled, model, calls=4, seed=2)
-    assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (4, 0)
-    (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
-    assert [r["kind"] for r in steady.records["rewrites"]] == ["materialize"]
-    nodes = _graph_nodes(steady)
-    assert (sum(n.target is COPY for n in nodes), sum(n.target is CLONE for n in nodes)) == (1, 1)
+    assert _materialized(KeepsItsState(), calls=4, seed=2) == (1, 1)
 
 
 class SumsItsState(nn.Module):

@@ -19,15 +19,6 @@ from cadence_fx.models import token2wav  # noqa: E402 - the project's own: must 
 token2wav.import_stock()
 
 
-@pytest.fixture(scope="module")
-def cfm():
-    step = token2wav.CFMStep(token2wav.build_cfm(depth=2))
-    spks, prompt = token2wav.prime_cfm(step)
-    g = torch.Generator().manual_seed(4)
-    chunks = [(torch.randn(1, 80, w, generator=g), torch.zeros(1, 80, w)) for w in (50, 56)]
-    return step, spks, prompt, chunks
-
-
 def _compile_stream(cfm):
     """Compile and run a prompt chunk and a wider one (two classes); returns the compiled step
     and its mels."""

@@ -14,9 +14,9 @@ import cadence_fx
 from cadence_fx.passes.fx_utils import aten
 
 from streaming_conformer import one_thread  # noqa: F401 - autouse: one intra-op thread per file
-from streaming_conformer import (FLUSH, STACKED_ADAPTER, chunk_feats, clone_state,
-                                 interleave, joins_feeding_carries, make_model, prompt_feats,
-                                 run_turns)
+from streaming_conformer import (FLUSH, STACKED_ADAPTER, assert_calls_equal,
+                                 assert_sessions_equal, chunk_feats, joins_feeding_carries,
+                                 make_model, prompt_feats, run_alone, run_turns, serve_scripts)
 
 REGIONS = [r.name for r in STACKED_ADAPTER.regions]
 TURNS = [(0, [8, 12, 12, 8, FLUSH]), (1, [12, 8, 8, 12])]
@@ -48,12 +48,8 @@ def test_stacked_caches_stream_bit_exact_in_place(model, stock, traces):
     want, want_rng = run_turns(stock, TURNS, seed=21)
     c = _compile(model, traces, verify=True)
     got, got_rng = run_turns(c, TURNS, seed=21)
-    assert len(got) == len(want)
-    for i, ((out, state), (ref_out, ref_state)) in enumerate(zip(got, want)):
-        assert torch.equal(out, ref_out), f"call {i}: output differs from stock"
-        assert state.keys() == ref_state.keys() == {"k", "v", "conv", "offset"}
-        for k in ref_state:
-            assert torch.equal(state[k], ref_state[k]), f"call {i}: state {k!r} differs"
+    assert_calls_equal(got, want)
+    assert all(state.keys() == {"k", "v", "conv", "offset"} for _, state in want)
     assert torch.equal(got_rng, want_rng)
     calls = sum(len(w) + 1 for _, w in TURNS)
     k = c.counters
@@ -85,55 +81,16 @@ WIDTHS = [8, 12, 8, 12, 8, 12, FLUSH]
 ARRIVALS = [0, 0, 4, 8]
 
 
-def _run_alone(step, speaker, rng_seed, feats, script):
-    torch.manual_seed(rng_seed)
-    outs, state, saved = [], None, None
-    for op in script:
-        if op == "save":
-            saved = clone_state(state)
-        elif op == "retry":
-            state = saved
-        elif op in ("prime", *range(len(feats))):
-            x = prompt_feats(speaker) if op == "prime" else feats[op]
-            with torch.no_grad():
-                out, state = step(x, None if op == "prime" else state)
-            outs.append(out.clone())
-    return outs
-
-
 @pytest.mark.parametrize("order", [5, 6])
 def test_pool_primes_each_speaker_inline_while_others_stream(model, stock, traces, order):
     feats = [chunk_feats(WIDTHS, seed) for *_, seed, _ in SESSIONS]
-    alone = [_run_alone(stock, spk, rng, feats[i], script)
+    alone = [run_alone(stock, rng, feats[i], script, prompt=prompt_feats(spk))
              for i, (spk, rng, _, script) in enumerate(SESSIONS)]
     pool = cadence_fx.SessionPool(_compile(model, traces))
     outside = torch.get_rng_state()
-    ids, saved, outs = {}, {}, [[] for _ in SESSIONS]
-    primed_while_streaming = retired_while_streaming = 0
-    for i, op in interleave([script for *_, script in SESSIONS], ARRIVALS, seed=order):
-        spk, rng_seed = SESSIONS[i][:2]
-        if i not in ids:
-            ids[i] = pool.open(None, seed=rng_seed)
-        sid = ids[i]
-        if op == "save":
-            saved[i] = clone_state(pool.state(sid))
-        elif op == "retry":
-            pool.reset(sid, saved[i])
-        elif op == "close":
-            pool.close(sid)
-            retired_while_streaming += bool(pool.sessions)
-        else:
-            if op == "prime":
-                primed_while_streaming += len(pool.sessions) > 1
-                pool.reset(sid, None)
-            with torch.no_grad():
-                out, _ = pool.step(sid, prompt_feats(spk) if op == "prime" else feats[i][op])
-            outs[i].append(out.clone())
-    for i in range(len(SESSIONS)):
-        assert len(outs[i]) == len(alone[i]) > 0
-        for j, (a, b) in enumerate(zip(outs[i], alone[i])):
-            assert torch.equal(a, b), f"session {i} call {j} differs from the session run alone"
-    assert primed_while_streaming >= 2 and retired_while_streaming == 2
+    outs, _, seen = serve_scripts(pool, SESSIONS, ARRIVALS, feats, seed=order)
+    assert_sessions_equal(outs, alone)
+    assert seen["primed"] >= 2 and seen["retired"] == 2   # while others streamed
     assert torch.equal(torch.get_rng_state(), outside)
     k = pool.compiled.counters
     calls = sum(op == "prime" or isinstance(op, int) for *_, script in SESSIONS for op in script)

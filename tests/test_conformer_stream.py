@@ -21,9 +21,10 @@ from cadence_fx.passes.fx_utils import aten
 
 from op_count import OpCount, difference
 from streaming_conformer import one_thread  # noqa: F401 - autouse: one intra-op thread per file
-from streaming_conformer import (CONFORMER_ADAPTER, FLUSH, LAYERS, chunk_feats, clone_state,
-                                 interleave, joins_feeding_carries, make_model, prime,
-                                 run_turns)
+from streaming_conformer import (CONFORMER_ADAPTER, FLUSH, LAYERS, assert_calls_equal,
+                                 assert_sessions_equal, chunk_feats, clone_state,
+                                 joins_feeding_carries, make_model, prime, run_alone, run_turns,
+                                 serve_scripts)
 
 PRIMING_CLASS = ((None,) * (3 * LAYERS), 16)   # no region state in, the 16-frame prompt
 REGIONS = [r.name for r in CONFORMER_ADAPTER.regions]
@@ -55,16 +56,6 @@ def _compile(model, traces, **kwargs):
     return cadence_fx.compile(model, CONFORMER_ADAPTER, trace_cache=traces, **kwargs)
 
 
-def _assert_calls_equal(got, want):
-    assert len(got) == len(want)
-    for i, ((out, state), (ref_out, ref_state)) in enumerate(zip(got, want)):
-        assert torch.equal(out, ref_out), f"call {i}: output differs from stock"
-        assert state.keys() == ref_state.keys(), f"call {i}"
-        for k in ref_state:
-            assert state[k].shape == ref_state[k].shape, f"call {i}: state {k!r} shape"
-            assert torch.equal(state[k], ref_state[k]), f"call {i}: state {k!r} differs from stock"
-
-
 def _class_keys(compiled):
     return {key[0] for key in compiled.classes}
 
@@ -75,7 +66,7 @@ def test_whole_streams_bit_exact_with_flushes_and_re_primed_turns(model, stock, 
     want, want_rng = run_turns(stock, TURNS, seed=7)
     c = _compile(model, traces, verify=True)
     got, got_rng = run_turns(c, TURNS, seed=7)
-    _assert_calls_equal(got, want)
+    assert_calls_equal(got, want)
     assert torch.equal(got_rng, want_rng)   # the compiled path drew exactly what stock drew
     chunks = sum(len(widths) for _, widths in TURNS)
     k = c.counters
@@ -96,7 +87,7 @@ def test_width_outside_the_catalog_falls_back_bit_exact(model, stock, traces):
     want, _ = run_turns(stock, turns, seed=8)
     c = _compile(model, traces)
     got, _ = run_turns(c, turns, seed=8)
-    _assert_calls_equal(got, want)
+    assert_calls_equal(got, want)
     width = ("call width 10 is neither a declared call width [8, 12] nor admitted "
              "(admission chunk = 8); declare a clock of 10 in `call_frames`, or an `admission` "
              "clock of at least 10 for partial calls")
@@ -119,62 +110,21 @@ WIDTHS = [8, 12, 8, 12, 8, 12, 8, FLUSH]
 ARRIVALS = [0, 0, 5, 9]   # global step at which each session may start
 
 
-def _run_alone(step, prompt, rng_seed, feats, script):
-    """The session by itself on ``step``: its generator seeded, its own state."""
-    torch.manual_seed(rng_seed)
-    outs, state, saved = [], prompt, None
-    for op in script:
-        if op == "save":
-            saved = clone_state(state)
-        elif op == "retry":
-            state = saved
-        elif op == "reset":
-            state = prompt
-        elif op != "close":
-            with torch.no_grad():
-                out, state = step(feats[op], state)
-            outs.append(out.clone())
-    return outs
-
-
 def test_session_pool_serves_arrivals_retirements_and_retries(model, stock, traces):
     # the server primes each speaker once, on the stock module, and keeps the prompt state
     torch.manual_seed(50)
     prompts = {s: prime(stock, s) for s in {spk for spk, *_ in SESSIONS}}
     pristine = {s: clone_state(p) for s, p in prompts.items()}
     feats = [chunk_feats(WIDTHS, seed) for _, _, seed, _ in SESSIONS]
-    alone = [_run_alone(stock, prompts[spk], rng, feats[i], script)
+    alone = [run_alone(stock, rng, feats[i], script, start=prompts[spk])
              for i, (spk, rng, _, script) in enumerate(SESSIONS)]
 
     pool = cadence_fx.SessionPool(_compile(model, traces))
     outside = torch.get_rng_state()
-    ids, saved, outs = {}, {}, [[] for _ in SESSIONS]
-    arrived_while_streaming = retired_while_streaming = 0
-    for i, op in interleave([script for *_, script in SESSIONS], ARRIVALS, seed=3):
-        spk, rng_seed = SESSIONS[i][:2]
-        if i not in ids:
-            arrived_while_streaming += bool(pool.sessions)
-            ids[i] = pool.open(prompts[spk], seed=rng_seed)
-        sid = ids[i]
-        if op == "save":
-            saved[i] = clone_state(pool.state(sid))   # region entries are views of the carries
-        elif op == "retry":
-            pool.reset(sid, saved[i])
-        elif op == "reset":
-            pool.reset(sid, prompts[spk])
-        elif op == "close":
-            pool.close(sid)
-            retired_while_streaming += bool(pool.sessions)
-        else:
-            with torch.no_grad():
-                out, _ = pool.step(sid, feats[i][op])
-            outs[i].append(out.clone())
-
-    for i in range(len(SESSIONS)):
-        assert len(outs[i]) == len(alone[i]) > 0
-        for j, (a, b) in enumerate(zip(outs[i], alone[i])):
-            assert torch.equal(a, b), f"session {i} chunk {j} differs from the session run alone"
-    assert arrived_while_streaming >= 2 and retired_while_streaming == 2
+    outs, ids, seen = serve_scripts(pool, SESSIONS, ARRIVALS, feats, seed=3,
+                                    start=lambda spk: prompts[spk])
+    assert_sessions_equal(outs, alone, "chunk")
+    assert seen["arrived"] >= 2 and seen["retired"] == 2   # while others streamed
     assert pool.sessions == sorted(ids[i] for i in (0, 2))
     assert torch.equal(torch.get_rng_state(), outside)        # sessions draw from their own
     assert all(torch.equal(prompts[s][k], pristine[s][k]) for s in prompts for k in pristine[s])
@@ -233,7 +183,7 @@ def test_priming_pass_runs_compiled(model, stock, traces):
     want, want_rng = run_turns(stock, TURNS[:2], seed=12)
     c = _compile(model, traces)
     got, got_rng = run_turns(c, TURNS[:2], seed=12)
-    _assert_calls_equal(got, want)
+    assert_calls_equal(got, want)
     assert torch.equal(got_rng, want_rng)
     k = c.counters
     calls = sum(len(widths) + 1 for _, widths in TURNS[:2])
@@ -245,7 +195,7 @@ def test_strict_accepts_a_whole_primed_stream(model, stock, traces):
     want, _ = run_turns(stock, TURNS, seed=13)
     c = _compile(model, traces, strict=True)
     got, _ = run_turns(c, TURNS, seed=13)
-    _assert_calls_equal(got, want)
+    assert_calls_equal(got, want)
     k = c.counters
     assert (k.fallbacks, k.compiled_calls, k.carry_addresses) == (0, k.calls, 1)
 
@@ -263,7 +213,7 @@ def test_catalog_captured_before_traffic(model, stock, traces):
     assert all(torch.equal(state[k], pristine[k]) for k in state)
     want, _ = run_turns(stock, TURNS[:1], seed=14)
     got, _ = run_turns(c, TURNS[:1], seed=14)
-    _assert_calls_equal(got, want)
+    assert_calls_equal(got, want)
     # the flush is admitted but is no declared width: its class is compiled on first sight
     assert _class_keys(c) == set(c.catalog.classes) | {(AT_WINDOW, FLUSH), PRIMING_CLASS}
     k = c.counters
@@ -297,7 +247,7 @@ def test_torch_compile_backend_streams_the_whole_model_on_the_cadence_path(stock
     want, want_rng = run_turns(stock, TURNS, seed=7)
     got, got_rng = run_turns(compiled, TURNS, seed=7)
     torch._dynamo.reset()
-    _assert_calls_equal(got, want)
+    assert_calls_equal(got, want)
     assert torch.equal(got_rng, want_rng)
     cadence = [s for s in steps if s is not None]
     chunks = sum(len(widths) for _, widths in TURNS)

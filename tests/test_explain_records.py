@@ -10,42 +10,13 @@ import re
 
 import pytest
 import torch
-from torch import nn
 
 import cadence_fx
-from cadence_fx.contract import APPEND, PREPEND, Adapter, Region, SlidingWindow
+from cadence_fx.contract import APPEND, PREPEND
 from cadence_fx.explain import explain, explain_text
 from cadence_fx.models.toy import (CONV_ADAPTER, PROMPT_RETAINED_ADAPTER, RING_ADAPTER,
                                    ConvLeftContextToy, PromptRetainedToy, RingToy)
-
-W = 6
-
-
-class Window(nn.Module):
-    """The last (append) or first (prepend) ``W`` frames of a concatenation along dim 2."""
-
-    def __init__(self, order: str):
-        super().__init__()
-        self.order = order
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x, cache):
-        x = self.lin(x)
-        if self.order == PREPEND:
-            full = torch.cat([x, cache["k"]], 2)
-            new = full[:, :, :W]
-        else:
-            full = torch.cat([cache["k"], x], 2)
-            new = full[:, :, -W:]
-        return (full * 2).sum(2, keepdim=True), {"k": new}
-
-
-def _window_adapter(order: str) -> Adapter:
-    return Adapter(
-        name=f"explained-{order}", clocks={"W": W, "c": 2, "heads": 2, "d": 4},
-        regions=(Region(name="k", input="cache.k", output="1.k", dim=2, retention=SlidingWindow("W"),
-                        advance="c", ordering=order, shape=(1, "heads", None, "d")),),
-        call_frames=("c",), call_input="x", call_dim=2)
+from streaming_window import W, Window, window_step_adapter
 
 
 # -- streams, one per region kind -----------------------------------------------------------------
@@ -81,8 +52,10 @@ def _window_stream(step):
 CASES = {   # kind -> (model, adapter, stream, region)
     "prompt-retained": (PromptRetainedToy, PROMPT_RETAINED_ADAPTER, _prompt_stream, "att"),
     "ring": (RingToy, RING_ADAPTER, _ring_stream, "kv"),
-    "window-append": (lambda: Window(APPEND), _window_adapter(APPEND), _window_stream, "k"),
-    "window-prepend": (lambda: Window(PREPEND), _window_adapter(PREPEND), _window_stream, "k"),
+    "window-append": (lambda: Window("slice", reads_window=False),
+                      window_step_adapter(APPEND, name="explained-append"), _window_stream, "k"),
+    "window-prepend": (lambda: Window("prepend", reads_window=False),
+                       window_step_adapter(PREPEND, name="explained-prepend"), _window_stream, "k"),
     "window-full-from-the-start": (ConvLeftContextToy, CONV_ADAPTER, _conv_stream, "conv"),
 }
 
@@ -145,5 +118,5 @@ def test_explain_says_what_the_compiled_records_show(kind):
 
 
 def test_the_prepend_window_is_not_described_as_the_last_frames():
-    said = _block(explain_text(explain(_window_adapter(PREPEND))), "k")
+    said = _block(explain_text(explain(window_step_adapter(PREPEND, name="explained-prepend"))), "k")
     assert "keep the first W = 6 frames" in said["retention"] and "last" not in said["retention"]

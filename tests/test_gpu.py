@@ -10,6 +10,7 @@ from cadence_fx.cudagraphs import CudaGraphBackend
 from cadence_fx.errors import GuardError
 from cadence_fx.models.toy import (CONV_ADAPTER, NOISY_ADAPTER, PROMPT_RETAINED_ADAPTER,
                                    HostRandomToy, NoisySourceToy, PromptRetainedToy)
+from helpers import stream
 from stock_packages import MOSHI, TOKEN2WAV, require
 
 pytestmark = [pytest.mark.gpu,
@@ -169,15 +170,11 @@ def test_held_outputs_survive_the_next_replay():
     assert compiled.counters.replays == fast.counters.replays == len(xs)
 
 
-def test_capture_failure_falls_back_with_the_reason(monkeypatch):
+def test_capture_failure_falls_back_with_the_reason(failing_capture):
     model, prompt_state, xs = _toy()
     stock, _, _ = _stream(model, prompt_state, xs)
-
-    class Refuse(torch.cuda.graph):
-        def __enter__(self):
-            raise RuntimeError("operation not permitted when stream is capturing")
-
-    monkeypatch.setattr(torch.cuda, "graph", Refuse)
+    failing_capture(RuntimeError("operation not permitted when stream is capturing"),
+                    when=lambda n: True)
     compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
     ours, addresses, _ = _stream(compiled, prompt_state, xs)
     assert _equal(stock, ours) and len(addresses) == 1
@@ -190,22 +187,14 @@ def test_capture_failure_falls_back_with_the_reason(monkeypatch):
 
 
 @pytest.mark.parametrize("warm_up", [False, True])
-def test_a_capture_that_fails_once_is_warmed_up_and_captured_again(monkeypatch, warm_up):
+def test_a_capture_that_fails_once_is_warmed_up_and_captured_again(failing_capture, warm_up):
     """A capture failing for another reason than memory (a library setting itself up lazily) is
     retried once after an eager warm-up that leaves no trace; with ``warm_up=True`` every piece
     warms up first and a failure is final."""
     model, prompt_state, xs = _toy()
     stock, _, _ = _stream(model, prompt_state, xs)
-    real_graph, captures = torch.cuda.graph, []
-
-    class FailsOnce(real_graph):
-        def __enter__(self):
-            captures.append(1)
-            if len(captures) == 1:
-                raise RuntimeError("operation not permitted when stream is capturing")
-            return super().__enter__()
-
-    monkeypatch.setattr(torch.cuda, "graph", FailsOnce)
+    captures = failing_capture(RuntimeError("operation not permitted when stream is capturing"),
+                               when=lambda n: n == 1)
     compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER,
                                   backend=CudaGraphBackend(warm_up=warm_up))
     ours, addresses, _ = _stream(compiled, prompt_state, xs)
@@ -220,21 +209,13 @@ def test_a_capture_that_fails_once_is_warmed_up_and_captured_again(monkeypatch, 
         assert c.fallbacks == 0 and c.replays == len(xs)
 
 
-def test_out_of_memory_in_one_capture_leaves_the_other_classes_replaying(monkeypatch):
+def test_out_of_memory_in_one_capture_leaves_the_other_classes_replaying(failing_capture):
     """A real allocation failure type, raised inside the capture of the second class only: that
     class stays eager with the reason, every other class captures and replays, all bit-exact."""
     model, prompt_state, xs = _toy()
     stock, _, _ = _stream(model, prompt_state, xs)
-    real_graph, captures = torch.cuda.graph, []
-
-    class OneOOM(real_graph):
-        def __enter__(self):
-            captures.append(1)
-            if len(captures) == 2:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            return super().__enter__()
-
-    monkeypatch.setattr(torch.cuda, "graph", OneOOM)
+    failing_capture(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                    when=lambda n: n == 2)
     compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
     ours, addresses, _ = _stream(compiled, prompt_state, xs)
     assert _equal(stock, ours) and len(addresses) == 1
@@ -387,19 +368,10 @@ def test_freeze_omni_replays_bit_exact():
     g = torch.Generator().manual_seed(1)
     feats = [torch.randn(1, 16, 80, generator=g).to(DEV) for _ in range(10)]
 
-    def run(step):
-        outs, state = [], enc.initial_state()
-        for i, f in enumerate(feats):
-            if i == 5:
-                state = enc.initial_state()
-            with torch.inference_mode():
-                y, state = step(f, state)
-            outs.append((y.clone(), state["att_cache"].clone()))
-        return outs
-
-    ref = run(enc)
+    ref = stream(enc, feats, enc.initial_state, "att_cache", reset_at=5, mode=torch.inference_mode)
     compiled = cadence_fx.compile(enc, adapter)
-    got = run(compiled)
+    got = stream(compiled, feats, enc.initial_state, "att_cache", reset_at=5,
+                 mode=torch.inference_mode)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(ref, got))
     k = compiled.counters
     assert k.replays == 10 and k.fallbacks == 0 and len(compiled.classes) == 2

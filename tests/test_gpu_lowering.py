@@ -156,18 +156,10 @@ def test_a_failed_warm_up_names_the_exception(monkeypatch):
                              for r in c.reasons)
 
 
-def test_a_capture_retried_after_a_warm_up_logs_why(monkeypatch, caplog):
+def test_a_capture_retried_after_a_warm_up_logs_why(failing_capture, caplog):
     model, prompt_state, xs = _toy()
-    real_graph, captures = torch.cuda.graph, []
-
-    class FailsOnce(real_graph):
-        def __enter__(self):
-            captures.append(1)
-            if len(captures) == 1:
-                raise RuntimeError("operation not permitted when stream is capturing\ndetails")
-            return super().__enter__()
-
-    monkeypatch.setattr(torch.cuda, "graph", FailsOnce)
+    failing_capture(RuntimeError("operation not permitted when stream is capturing\ndetails"),
+                    when=lambda n: n == 1)
     compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
     with caplog.at_level(logging.DEBUG, logger="cadence_fx.cudagraphs"):
         _stream(compiled, prompt_state, xs)

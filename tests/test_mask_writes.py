@@ -6,34 +6,31 @@ Each stream compares every output and the state with ``torch.equal`` against the
 asserts that the compiled path ran (every call compiled, no fallback) and what the pass did."""
 import pytest
 import torch
-from torch import nn
 
 import cadence_fx
 from cadence_fx.passes.fx_utils import aten
 from cadence_fx.passes.pipeline import Options
-from helpers import same, stream, window_adapter
+from helpers import same, stream
+from streaming_window import Window, window_step_adapter
 
-W = 6
 BOOL_MASK = "boolean-mask indexing (aten::index_put_) syncs with the host through nonzero"
-ADAPTER = window_adapter("blank", (3, "heads", None, "d"), w=W, c=2, clocks={"heads": 2, "d": 4})
+ADAPTER = window_step_adapter(batch=3, name="blank")
 REWRITTEN = ["rows", "inner", "full", "tensor-value", "out-of-place", "int", "nan", "bf16"]
 KEPT = ["accumulate", "many-values"]
 
 
-class Blank(nn.Module):
+class Blank(Window):
     """A window step that blanks part of its result under a boolean mask, in one of the forms."""
 
     def __init__(self, form: str):
-        super().__init__()
-        self.form = form
-        self.lin = nn.Linear(4, 4)
+        super().__init__("slice")
+        self.blank = form
 
     def forward(self, x, cache):
-        full = torch.cat([cache["k"], self.lin(x)], 2)
-        new = full[:, :, -W:]
+        full, new = self.window(x, cache, "slice")
         h = full * 2
         rows = h.sum((1, 2, 3)) > 0                      # one flag per batch row: [3]
-        f = self.form
+        f = self.blank
         if f == "rows":                                  # Moshi's out[mask, :, :] = token
             h[rows, :, :] = 7.0
         elif f == "inner":                               # a mask on dim 1, after a full slice

@@ -13,54 +13,11 @@ from torch import nn
 import cadence_fx
 from cadence_fx.contract import APPEND, PREPEND, Adapter, Region, SlidingWindow
 from cadence_fx.errors import GuardError
-from helpers import stream, window_adapter
+from helpers import stream
+from streaming_window import FORMS, W, Window, window_step_adapter
 
-W = 6
-FORMS = ["slice", "narrow", "split", "chunk", "conditional", "clone", "prepend", "window-only",
-         "concat"]
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
-
-
-class Window(nn.Module):
-    """A window of the last ``W`` frames, kept by concatenation along dim 2, in one of the forms
-    streaming code writes it; the step reads the whole concatenation and the window."""
-
-    def __init__(self, form: str):
-        super().__init__()
-        self.form = form
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x, cache):
-        x = self.lin(x)
-        if self.form == "prepend":
-            full = torch.cat([x, cache["k"]], 2)
-            new = full[:, :, :W]
-        else:   # torch.concat traces as an op of its own (aten.concat)
-            full = (torch.concat if self.form == "concat" else torch.cat)([cache["k"], x], 2)
-            n = full.shape[2]
-            keep = min(W, n)
-            if self.form in ("slice", "window-only", "concat"):
-                new = full[:, :, -W:]            # a no-op slice while the window fills
-            elif self.form == "narrow":
-                new = full.narrow(2, n - keep, keep)
-            elif self.form == "split":
-                new = full.split([n - keep, keep], 2)[1]
-            elif self.form == "chunk":          # the last of two halves once the window is full
-                new = full.chunk(2, 2)[1] if n == 2 * W else full[:, :, -W:]
-            elif self.form == "conditional":
-                new = full[:, :, -W:] if n > W else full
-            else:                                # a detached copy of the tail
-                new = full[:, :, -W:].clone().detach()
-        if self.form == "window-only":           # attention over the window: the kept frames
-            return new.softmax(2).sum(2, keepdim=True), {"k": new}   # move first, then x
-        y = (full * 2).sum(2, keepdim=True) + new.mean(2, keepdim=True)
-        return y, {"k": new}
-
-
-def _adapter(order: str, chunk: int = 2) -> Adapter:
-    return window_adapter(f"window-{order}", (1, "heads", None, "d"), w=W, c=chunk, order=order,
-                          clocks={"heads": 2, "d": 4})
 
 
 def _stream(step, xs, device):
@@ -81,7 +38,8 @@ def test_every_window_form_is_rewritten_in_place(form, device):
     torch.manual_seed(0)
     model = Window(form).to(device)
     xs = [torch.randn(1, 2, chunk, 4, device=device) for _ in range(10)]
-    compiled = cadence_fx.compile(model, _adapter(PREPEND if form == "prepend" else APPEND, chunk))
+    order = PREPEND if form == "prepend" else APPEND
+    compiled = cadence_fx.compile(model, window_step_adapter(order, chunk))
     ours, stock = _stream(compiled, xs, device), _stream(model, xs, device)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(ours, stock))
     k = compiled.counters
@@ -103,7 +61,8 @@ def test_every_window_form_is_rewritten_in_place(form, device):
 def test_the_shadow_auditor_checks_every_window_write(form):
     model = Window(form)
     xs = [torch.randn(1, 2, 2, 4) for _ in range(8)]
-    compiled = cadence_fx.compile(model, _adapter(PREPEND if form == "prepend" else APPEND), verify=True)
+    order = PREPEND if form == "prepend" else APPEND
+    compiled = cadence_fx.compile(model, window_step_adapter(order), verify=True)
     _stream(compiled, xs, "cpu")
     assert compiled.auditor.comparisons["k"] == len(xs) == compiled.counters.compiled_calls
 
@@ -112,7 +71,7 @@ def test_a_window_without_room_is_copied_with_the_reason(caplog):
     """A region declaring less room than a call adds cannot append in place once the window is
     full: that class copies its state once (materialize), the report says why, a warning says so
     once with the room it needs, and the counters show the copies beside the retentions."""
-    base = _adapter(APPEND)
+    base = window_step_adapter(APPEND)
     region = dataclasses.replace(base.regions[0], room="one")
     adapter = dataclasses.replace(base, clocks={**base.clocks, "one": 1}, regions=(region,))
     model = Window("slice")
@@ -145,7 +104,7 @@ class StridedReader(nn.Module):
 
 def test_a_window_read_through_as_strided_is_copied_with_the_reason():
     model = StridedReader()
-    compiled = cadence_fx.compile(model, _adapter(APPEND))
+    compiled = cadence_fx.compile(model, window_step_adapter(APPEND))
     g = torch.Generator().manual_seed(4)
     xs = [torch.randn(1, 2, 2, 4, generator=g) for _ in range(8)]
     ours, stock = _stream(compiled, xs, "cpu"), _stream(model, xs, "cpu")
@@ -159,7 +118,7 @@ def test_a_window_read_through_as_strided_is_copied_with_the_reason():
 
 
 def test_the_carry_has_one_call_of_room_and_analyze_prices_it():
-    catalog = cadence_fx.build_catalog(_adapter(APPEND))
+    catalog = cadence_fx.build_catalog(window_step_adapter(APPEND))
     r = catalog.region("k")
     assert (r.bound, r.room, r.declared_extent) == (W, 2, W + 2)
     assert r.declared_bytes == 1 * 2 * (W + 2) * 4 * 4
@@ -210,7 +169,7 @@ def test_a_call_that_primes_some_regions_but_not_others_is_refused_with_the_reas
 
 def test_a_retry_from_an_uncloned_old_state_is_refused_and_a_clone_works():
     model = Window("slice")
-    compiled = cadence_fx.compile(model, _adapter(APPEND))
+    compiled = cadence_fx.compile(model, window_step_adapter(APPEND))
     xs = [torch.randn(1, 2, 2, 4) for _ in range(4)]
     with torch.no_grad():
         _, s1 = compiled(xs[0], {"k": torch.zeros(1, 2, 0, 4)})
@@ -225,7 +184,7 @@ def test_a_retry_from_an_uncloned_old_state_is_refused_and_a_clone_works():
 
 def test_inference_mode_then_no_grad():
     model = Window("slice")
-    compiled = cadence_fx.compile(model, _adapter(APPEND))
+    compiled = cadence_fx.compile(model, window_step_adapter(APPEND))
     state_c = state_s = {"k": torch.zeros(1, 2, 0, 4)}
     for i in range(6):
         x = torch.randn(1, 2, 2, 4)

@@ -23,11 +23,10 @@ if not _ABSENT:
 
 
 @pytest.fixture(scope="module")
-def cfm():
-    step = token2wav.CFMStep(token2wav.build_cfm(depth=2))
-    spks, prompt = token2wav.prime_cfm(step)
-    g = torch.Generator().manual_seed(4)
-    mu, cond = torch.randn(1, 80, 50, generator=g), torch.zeros(1, 80, 50)
+def steady_cfm(cfm):
+    """conftest's ``cfm`` with its first chunk and the state after it: ``(step, spks, prompt,
+    steady, mu, cond)``."""
+    step, spks, prompt, ((mu, cond), _) = cfm
     with torch.inference_mode():
         _, steady = step(mu, spks, cond, prompt)
     return step, spks, prompt, steady, mu, cond
@@ -35,8 +34,8 @@ def cfm():
 
 @needs_stock
 @pytest.mark.parametrize("which", ["prompt", "steady", "first", "autocast"])
-def test_copied_calls_give_the_full_trace_node_for_node(cfm, which):
-    step, spks, prompt, steady, mu, cond = cfm
+def test_copied_calls_give_the_full_trace_node_for_node(steady_cfm, which):
+    step, spks, prompt, steady, mu, cond = steady_cfm
     state = {"prompt": prompt, "steady": steady, "first": None, "autocast": prompt}[which]
     named = bind_arguments(step.forward, (mu, spks, cond, state), {})
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=which == "autocast"):
@@ -47,8 +46,8 @@ def test_copied_calls_give_the_full_trace_node_for_node(cfm, which):
 
 
 @needs_stock
-def test_the_comparison_can_fail(cfm):
-    step, spks, prompt, steady, mu, cond = cfm
+def test_the_comparison_can_fail(steady_cfm):
+    step, spks, prompt, steady, mu, cond = steady_cfm
     with torch.inference_mode():
         a = trace_step(step, step.forward, bind_arguments(step.forward, (mu, spks, cond, prompt), {}))
         b = trace_step(step, step.forward, bind_arguments(step.forward, (mu, spks, cond, steady), {}))
@@ -70,8 +69,8 @@ def test_the_comparison_can_fail(cfm):
 
 
 @needs_stock
-def test_compiled_stream_copies_nine_of_ten_estimator_calls_and_stays_bit_exact(cfm):
-    step, spks, prompt, _, _, _ = cfm
+def test_compiled_stream_copies_nine_of_ten_estimator_calls_and_stays_bit_exact(steady_cfm):
+    step, spks, prompt, _, _, _ = steady_cfm
     adapter = adapters.get("minicpmo-token2wav").select("estimator_att_cache", "estimator_cnn_cache")
     assert adapter.repeated == ("estimator.forward_chunk",)
     g = torch.Generator().manual_seed(5)
