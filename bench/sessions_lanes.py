@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import gc
 import json
 import os
 import random
@@ -156,6 +157,62 @@ class _null:
         return False
 
 
+class _GcPauses:
+    """The collector's pauses while a row runs (``gc.callbacks``): each one held the loop."""
+
+    def __init__(self):
+        self.pauses, self._start = [], None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.pauses.append(((time.perf_counter() - self._start) * 1e3, info["generation"]))
+            self._start = None
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+        return False
+
+    def report(self) -> dict:
+        ms = [p for p, _ in self.pauses]
+        return {"gc_collections": len(ms), "gc_full_collections": sum(g == 2 for _, g in self.pauses),
+                "gc_ms_total": sum(ms), "gc_ms_max": max(ms, default=0.0)}
+
+
+def _concurrency(served, lanes, trials=5):
+    """k chunks dispatched at once, one per lane, for k = 1..lanes (after 3 warm-up rounds):
+    the wall time until all are done (synchronized) and the host time the k dispatches took.
+    Lanes that overlap on the device keep the wall near one chunk's; lanes that do not overlap
+    make it k times that; a host-bound dispatch shows as host ms near the wall."""
+    out = {}
+    for k in range(1, lanes + 1):
+        fids = [served.open(20_000 + i, lane=i) for i in range(k)]
+        toks = {f: _tokens(20_000 + i, 3 + trials) for i, f in enumerate(fids)}
+        walls, hosts = [], []
+        with torch.inference_mode():
+            for f in fids:
+                served.run(f, "prime")
+            for t in range(3 + trials):
+                _sync()
+                t0 = time.perf_counter()
+                for f in fids:
+                    served.run(f, "chunk", toks[f][t])
+                t1 = time.perf_counter()
+                _sync()
+                if t >= 3:
+                    walls.append((time.perf_counter() - t0) * 1e3)
+                    hosts.append((t1 - t0) * 1e3)
+        for f in fids:
+            served.close(f)
+        out[k] = {"wall_ms_p50": statistics.median(walls), "host_ms_p50": statistics.median(hosts)}
+    return out
+
+
 async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed):
     sched = Scheduler(served.fpool, period_ms=budget_ms, run=served.run,
                       done=lambda fid: served.hpool.done(served.ids[fid][0]),
@@ -191,12 +248,14 @@ async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed):
 def _row(flow, hift, served, lanes, n, args):
     torch.cuda.reset_peak_memory_stats() if DEVICE == "cuda" else None
     t0 = time.perf_counter()
-    report, records, results = asyncio.run(_churn(served, n, args.seconds, args.gap_ms,
-                                                  args.budget_ms, args.period_ms / 1e3, n))
+    with _GcPauses() as pauses:
+        report, records, results = asyncio.run(_churn(served, n, args.seconds, args.gap_ms,
+                                                      args.budget_ms, args.period_ms / 1e3, n))
     exact = [all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in
                  zip(outs, _alone(flow, hift, speaker, len(outs)))) for speaker, outs in results]
     mem = served.fpool.memory()
-    return {"lanes": lanes, "sessions": n, **report, "sessions_served": len(results),
+    return {"lanes": lanes, "sessions": n, **report, **pauses.report(),
+            "sessions_served": len(results),
             "realtime": report["deadline_misses"] == 0, "all_bit_exact": all(exact),
             "sessions_bit_exact": sum(exact), "wall_s": time.perf_counter() - t0,
             "max_memory_allocated": torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0,
@@ -328,6 +387,8 @@ def _args():
     ap.add_argument("--budget-ms", type=float, default=900.0, help="a chunk's deadline")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop adding rows after this")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                    help="leave the objects start-up made to the collector (default: gc.freeze())")
     return ap.parse_args()
 
 
@@ -374,6 +435,12 @@ def main():
     print(json.dumps({"prepare_s": result["prepare_s"], "warm": result["warm"]}), flush=True)
     _compiled_priming(result, served.fpool.lanes[0], lambda: cflow(tokens, spk, None,
                                                                    prompt_mel=mel_p))
+    result["lane_concurrency"] = _concurrency(served, max(lanes))
+    print(json.dumps({"lane_concurrency": result["lane_concurrency"]}), flush=True)
+    if args.gc_freeze:   # what start-up made (graphs, traces, kernels) is never collected again
+        gc.collect()
+        gc.freeze()
+    result["gc_frozen_objects"] = gc.get_freeze_count()
     save()
     _lane_rows(result, served, flow, hift, lanes, args, start, save)
     result["moshi_conversations_per_gpu"] = None
