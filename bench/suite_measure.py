@@ -246,8 +246,8 @@ def compile_breakdown(*compiled):
     entries = [e for c in compiled for e in c.classes.values()]
     return {"trace_s": sum(e.traced.seconds for e in entries),
             "copied_calls": sum(c.counters.copied_calls for c in compiled),
-            "passes_s": sum(p["seconds"] for e in entries for p in e.records["passes"]),
-            "probe_s": sum(e.records.get("probe_s", 0.0) for e in entries),
+            "passes_s": sum(p.seconds for e in entries for p in e.records.passes),
+            "probe_s": sum(e.records.probe_s or 0.0 for e in entries),
             "capture_s": sum(getattr(c.backend, "capture_seconds", 0.0) for c in compiled),
             "warmup_s": sum(getattr(c.backend, "warmup_seconds", 0.0) for c in compiled)}
 

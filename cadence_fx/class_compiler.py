@@ -24,6 +24,7 @@ from .effects import RngSnapshot, TensorSnapshot
 from .errors import ContractError, TraceError
 from .passes.fx_utils import graph_module, mutated_attributes, written_bases
 from .passes.pipeline import PassFailed, run_pipeline
+from .passes.records import Records
 from .replay import EagerBackend
 from .stored_class import carry_like
 from .tracing import InputSpec, TracedStep, leaves_with_paths, trace_step
@@ -39,7 +40,7 @@ class ClassEntry:
     gm: torch.fx.GraphModule
     inputs: List[InputSpec]
     traced: TracedStep
-    records: Dict[str, list]
+    records: Records                 # what the passes did (``passes/records.py``)
     out_regions: Dict[str, int]      # region -> graph output index of its new state
     writes: int
     retentions: int
@@ -84,7 +85,7 @@ def _compile(cs, key, named, replaced: set) -> Optional[ClassEntry]:
                       counters=cs.counters, strict=cs.config.strict,
                       constant_ids=cs.tensors.constant_ids,
                       alias_state=cs.config.options.alias_state and not cs.config.options.state_rule)
-    ctx.records["probe_s"] = probe_s
+    ctx.records.probe_s = probe_s
     try:
         gm = run_pipeline(traced.gm, ctx, cs.pipeline)
     except PassFailed as e:
@@ -114,20 +115,20 @@ def _enter(cs, key, label: str, traced, gm, ctx, bindings, replaced: set,
     # Buffers the rewritten step still writes get a private copy: the user's module is never
     # written by the compiled path (envelopes replaced by carries are gone by now).
     newly_replaced = written_before - {spec.name for spec in ctx.inputs if spec.kind == "buffer"}
-    private = [spec.name for spec in written_inputs(ctx.records.get("graph", gm), ctx.inputs)
+    private = [spec.name for spec in written_inputs(ctx.records.graph or gm, ctx.inputs)
                if spec.kind == "buffer"]
     _keep_buffers(cs, key, ctx.records, replaced, newly_replaced, private)
     # eq. (6), this class: with the regions aliased, only the other tensor arguments are staged
-    ctx.records["staging_predicted"] = sum(
+    ctx.records.staging_predicted = sum(
         n.meta["val"].numel() * n.meta["val"].element_size()
         for n, spec in zip([n for n in gm.graph.nodes if n.op == "placeholder"], ctx.inputs)
         if spec.kind == "arg" and isinstance(n.meta.get("val"), torch.Tensor))
-    writes = [w for w in ctx.records["rewrites"] if w["kind"] in ("retention", "append", "materialize")]
+    writes = [w for w in ctx.records.rewrites if w.kind in ("retention", "append", "materialize")]
     entry = ClassEntry(
         key=key, gm=gm, inputs=ctx.inputs, traced=traced, records=ctx.records,
         out_regions={b.region.name: b.out_index for b in bindings if b.out_index is not None},
-        writes=len(writes), retentions=sum(w["kind"] == "retention" for w in writes),
-        materializations=sum(w["kind"] == "materialize" for w in writes),
+        writes=len(writes), retentions=sum(w.kind == "retention" for w in writes),
+        materializations=sum(w.kind == "materialize" for w in writes),
         traced_nodes=len(traced.gm.graph.nodes))
     cs.store.add(entry)
     _warn_room(cs, key, writes)
@@ -138,8 +139,8 @@ def _enter(cs, key, label: str, traced, gm, ctx, bindings, replaced: set,
              traced.seconds)
     progress.note("%s: %s (%d nodes), probe %.1f s, passes %.1f s", label,
                   "loaded from the compile cache" if traced.loaded else f"traced {traced.seconds:.1f} s",
-                  len(traced.gm.graph.nodes), ctx.records["probe_s"],
-                  sum(p["seconds"] for p in ctx.records["passes"]))
+                  len(traced.gm.graph.nodes), ctx.records.probe_s,
+                  sum(p.seconds for p in ctx.records.passes))
     return entry
 
 
@@ -147,23 +148,23 @@ def _warn_room(cs, key, writes) -> None:
     """A region copied whole in a class where more room would have kept it in place: warned
     once per region, with the class and the room it needs."""
     for w in writes:
-        if w["kind"] == "materialize" and "give the region `room`" in w["detail"] \
-                and cs.store.warn_once(("room", w["region"])):
+        if w.kind == "materialize" and "give the region `room`" in w.detail \
+                and cs.store.warn_once(("room", w.region)):
             log.warning("region %r is copied whole on every call of class %s (materialized) where "
-                        "room would keep it in place: %s", w["region"], key[0],
-                        w["detail"].split("because ", 1)[-1])
+                        "room would keep it in place: %s", w.region, key[0],
+                        w.detail.split("because ", 1)[-1])
 
 
-def _keep_buffers(cs, key, records, replaced: set, newly_replaced, private) -> None:
+def _keep_buffers(cs, key, records: Records, replaced: set, newly_replaced, private) -> None:
     """Envelopes this class replaced are released with the others (``release_envelopes``); the
     buffers its graph still writes get a private copy: the compiled path never writes the user's
     module."""
     if cs.config.release_envelopes:
         replaced |= set(newly_replaced)
-        for miss in records["near_misses"]:   # a declared envelope kept: say so, once
-            if miss["detail"].startswith("envelope ") and cs.store.warn_once(miss["detail"]):
+        for miss in records.near_misses:   # a declared envelope kept: say so, once
+            if miss.detail.startswith("envelope ") and cs.store.warn_once(miss.detail):
                 log.warning("release_envelopes=True, but region %s keeps its stock envelope in "
-                            "class %s: %s", miss["region"], key[0], miss["detail"])
+                            "class %s: %s", miss.region, key[0], miss.detail)
     for name in private:
         cs.tensors.keep_private(name)
 
@@ -197,15 +198,15 @@ def _load_compiled(cs, key, named, replaced: set, label: str) -> Optional[ClassE
                                   f"not loadable here ({type(e).__name__}: {e})")
         return None
     _keep_buffers(cs, key, entry.records, replaced, payload["replaced"], payload["private"])
-    entry.records["load_s"] = time.perf_counter() - start
+    entry.records.load_s = time.perf_counter() - start
     cs.store.add(entry)
-    _warn_room(cs, key, entry.records["rewrites"])
+    _warn_room(cs, key, entry.records.rewrites)
     cs.counters.cache_loads += 1
     cs.counters.compiled_loads += 1
     found = fusion.regions(entry.gm)
     progress.note("%s: loaded compiled from the compile cache in %.2f s (%d nodes traced when "
                   "stored; %d of %d fused regions' code and verdicts loaded)", label,
-                  entry.records["load_s"], entry.traced_nodes, sum(r.loaded for r in found),
+                  entry.records.load_s, entry.traced_nodes, sum(r.loaded for r in found),
                   len(found))
     return entry
 

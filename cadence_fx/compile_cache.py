@@ -63,7 +63,7 @@ from .tracing import TracedStep, module_state_tensors
 
 __all__ = ["CompileCache", "entries", "clear", "default_dir", "FORMAT"]
 
-FORMAT = 3   # 3: a fused region keeps the inputs it writes
+FORMAT = 4   # 3: a fused region keeps the inputs it writes; 4: typed records (passes/records.py)
 log = logging.getLogger(__name__)
 
 

@@ -10,7 +10,7 @@ Where stock's state has another layout:
 * a class whose stock state has another layout than its carry hands the stock value back (the
   carry pass's near miss, ``passes/_carry_layout.py``) instead of a carry view of another layout;
 * a state that arrives in another layout than its carry, read by an op whose bits depend on the
-  layout (the class's ``records["layout_reads"]``), runs the stock step with the reason
+  layout (the class's ``records.layout_reads``), runs the stock step with the reason
   (``arrival_reason``); read only by joins and copies, it is copied into the carry as always;
 * the shadow auditor compares layouts as well as bits;
 
@@ -25,6 +25,7 @@ import torch
 
 # what a layout is, as the carry pass sees it too (``passes/_carry_layout.py``)
 from .passes.fx_utils import describe, stride_order
+from .passes.records import Records
 
 __all__ = ["stride_order", "describe", "arrival_reason", "known_reads"]
 
@@ -43,10 +44,10 @@ def arrival_reason(name: str, t: torch.Tensor, carry_view: torch.Tensor,
             "on it), or pass the state contiguous")
 
 
-def known_reads(records: Iterable[dict]) -> Dict[str, str]:
+def known_reads(records: Iterable[Records]) -> Dict[str, str]:
     """The layout-dependent reads the compiled classes recorded, by region (the first found)."""
     reads: Dict[str, str] = {}
     for r in records:
-        for name, op in r.get("layout_reads", {}).items():
+        for name, op in (r.layout_reads or {}).items():
             reads.setdefault(name, op)
     return reads

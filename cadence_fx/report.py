@@ -81,12 +81,13 @@ class Report:
             rows.append({"extents": list(extents), "width": width,
                          "traced_nodes": e.traced_nodes,
                          "trace_seconds": round(e.traced.seconds, 3),
-                         "rewrites": e.records["rewrites"], "near_misses": e.records["near_misses"],
-                         "constants": e.records["constants"],
-                         "pieces": [{k: p[k] for k in ("name", "kind", "nodes", "reasons")}
-                                    for p in e.records["pieces"]],
-                         "passes": e.records["passes"],
-                         "staging_predicted": e.records.get("staging_predicted"),
+                         "rewrites": [w.as_dict() for w in e.records.rewrites],
+                         "near_misses": [m.as_dict() for m in e.records.near_misses],
+                         "constants": [k.as_dict() for k in e.records.constants],
+                         "pieces": [{"name": p.name, "kind": p.kind, "nodes": p.nodes,
+                                     "reasons": list(p.reasons)} for p in e.records.pieces],
+                         "passes": [p.as_dict() for p in e.records.passes],
+                         "staging_predicted": e.records.staging_predicted,
                          "fusion": _fusion(e),
                          "staging_bytes": sum(m.staging_bytes for m in e.gm.modules()
                                               if hasattr(m, "staging_bytes"))})
@@ -101,11 +102,11 @@ class Report:
         """The rewritten (unsplit) graph of one class, a line per node, marked
         ``[piece_i graph|eager]`` and ``<- carry write`` where a node writes a carry."""
         entry = list(self.c.classes.values())[index]
-        gm = entry.records.get("graph")
+        gm = entry.records.graph
         if gm is None:
             return [line for line in entry.gm.code.splitlines() if line.strip()][:limit]
-        piece_of = entry.records.get("piece_of", {})
-        kinds = {i: p["kind"] for i, p in enumerate(entry.records["pieces"])}
+        piece_of = entry.records.piece_of
+        kinds = {i: p.kind for i, p in enumerate(entry.records.pieces)}
         carries = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("carry_")}
         lines = []
         for n in gm.graph.nodes:
@@ -177,9 +178,9 @@ def _fusion(entry) -> dict:
     """What exact fusion made of a class: its regions and their states (``fusion.py``)."""
     from .fusion import regions
     found = regions(entry.gm)
-    records = entry.records.get("fusion") or {}
-    return {"skipped": records.get("skipped"), "regions": len(found),
-            "kernels": sum(r.get("kernels", 0) for r in records.get("regions", [])),
+    record = entry.records.fusion
+    return {"skipped": record.skipped if record else None, "regions": len(found),
+            "kernels": sum(r.kernels for r in record.regions) if record else 0,
             "fused": sum(r.state == "fused" for r in found),
             "pending": sum(r.state == "pending" for r in found),
             "stock": [(r.region_name, r.reason) for r in found if r.state == "stock"]}

@@ -184,7 +184,7 @@ def _classes(c, d) -> str:
             kinds = sorted({w["kind"] for w in r["rewrites"]})
             graph = sum(p["kind"] == "graph" for p in r["pieces"])
             rows.append((list(k[0]), k[1], "compiled", r["traced_nodes"], r["trace_seconds"],
-                         round(seen[k].records.get("probe_s", 0.0), 3),
+                         round(seen[k].records.probe_s or 0.0, 3),
                          round(sum(p["seconds"] for p in r["passes"]), 3),
                          f"{graph} capturable, {len(r['pieces']) - graph} eager", ", ".join(kinds)))
         elif k in rejected:
@@ -247,10 +247,14 @@ def _class_regions(c, extents) -> str:
                      table, numeric=(1, 2, 3, 4, 5)))
 
 
+def _or_dash(n) -> str:
+    return "-" if n is None else str(n)
+
+
 def _piece_state(entry, p) -> str:
-    piece = getattr(entry.gm, p["name"], None)
-    if p["kind"] == "eager":
-        return "eager: " + "; ".join(p["reasons"])
+    piece = getattr(entry.gm, p.name, None)
+    if p.kind == "eager":
+        return "eager: " + "; ".join(p.reasons)
     if piece is None or getattr(piece, "signature", None) is None:
         return "not run yet"
     if getattr(piece, "replay", None) is not None:
@@ -261,31 +265,31 @@ def _piece_state(entry, p) -> str:
 
 
 def _pieces(entry, index: int) -> str:
-    pieces = entry.records["pieces"]
+    pieces = entry.records.pieces
     table = _table(["piece", "kind", "nodes", "state", "inputs (aliased)", "depends on"],
-                   [(p["name"], p["kind"], p["nodes"], _piece_state(entry, p),
-                     f"{p.get('inputs', '-')} ({p.get('aliased_inputs', '-')})",
-                     ", ".join(f"piece_{i}" for i in p.get("depends_on", [])))
+                   [(p.name, p.kind, p.nodes, _piece_state(entry, p),
+                     f"{_or_dash(p.inputs)} ({_or_dash(p.aliased_inputs)})",
+                     ", ".join(f"piece_{i}" for i in p.depends_on))
                     for p in pieces], numeric=(2,))
-    strip = charts.pieces_strip(pieces, salt=f"pieces{index}")
+    strip = charts.pieces_strip([p.as_dict() for p in pieces], salt=f"pieces{index}")
     return f"<h4>Pieces in graph order</h4>{_chart(strip)}{table}"
 
 
 def _rewrites(c, entry, open_: bool) -> str:
     out = ["<h4>Rewrites, per region</h4>"]
-    if "graph" not in entry.records and not isinstance(entry.gm, torch.fx.GraphModule):
+    if entry.records.graph is None and not isinstance(entry.gm, torch.fx.GraphModule):
         # loaded compiled from the compile cache: the graph is code, the records are kept
         out.append("<p class=note>Loaded from the compile cache, where the class is kept as "
                    "code: the rewrites are listed without their lines. Compile it without the "
                    "cache (or after <code>cadence-fx cache clear</code>) to see them.</p>")
         regions = [r.name for r in c.adapter.regions]
         for name in regions + [None]:
-            mine = [w for w in entry.records["rewrites"] if (w["region"] == name if name
-                                                             else w["region"] not in regions)]
+            mine = [w for w in entry.records.rewrites if (w.region == name if name
+                                                          else w.region not in regions)]
             if name is None and not mine:
                 continue
-            kinds = ", ".join(dict.fromkeys(w["kind"] for w in mine)) or "unchanged"
-            body = "<ul>" + "".join(f"<li>{_e(w['kind'])}: {_e(w['detail'])}</li>"
+            kinds = ", ".join(dict.fromkeys(w.kind for w in mine)) or "unchanged"
+            body = "<ul>" + "".join(f"<li>{_e(w.kind)}: {_e(w.detail)}</li>"
                                     for w in mine) + "</ul>" if mine else ""
             label = f"region {name}" if name else "other changes"
             out.append(_details(f"{label}: {kinds}", body, open_ and bool(mine)))

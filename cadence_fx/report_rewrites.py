@@ -166,7 +166,7 @@ def _claim(rows, before, after, seeds_by_region) -> Dict[Tuple[str, str], object
 
 def region_rewrites(compiled, entry) -> List[dict]:
     """Per region (and ``None`` for the rest): its records and the before/after hunks."""
-    graph = entry.records.get("graph") or entry.gm
+    graph = entry.records.graph or entry.gm
     after = code_lines(graph, entry.inputs)
     kept = before_graph(compiled, entry)
     before = code_lines(*kept) if kept is not None else None
@@ -222,8 +222,8 @@ def _region_entry(name, entry, rows, mine, before, after, owner, carries) -> dic
     hunks = [_hunk(rows[windows[i][0]:windows[i][1] + 1], name, before, after, owner, carries)
              for i in shown]
     return {"region": name,
-            "records": [w for w in entry.records["rewrites"] + entry.records["near_misses"]
-                        if w["region"] == name] if name is not None else [],
+            "records": [w.as_dict() for w in entry.records.rewrites + entry.records.near_misses
+                        if w.region == name] if name is not None else [],
             "removed": sum(rows[k][0] == "del" for k in mine),
             "added": sum(rows[k][0] == "add" for k in mine),
             "writes": writes, "new_writes": new, "audits": audits, "before_kept": before is not None,

@@ -28,6 +28,7 @@ loaded modules have no ``graph``: the report shows their code (``code``).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import linecache
 import marshal
@@ -71,7 +72,7 @@ def freeze(cs, entry, *, private: List[str], replaced: List[str],
         raise Unstorable("the shadow auditor is part of the graph (verify=True)")
     state = {id(t): path for path, t in module_state_tensors(cs.module).items()}
     t = entry.traced
-    records = {k: v for k, v in entry.records.items() if k != "graph"}   # the graph is code now
+    records = entry.records.copy(graph=None)   # the graph is code now
     return {
         "module": _freeze_module(entry.gm, state),
         "inputs": list(entry.inputs), "records": records, "out_regions": dict(entry.out_regions),
@@ -172,9 +173,8 @@ def thaw(cs, payload: dict, label: str) -> dict:
                         out_constants=t["out_constants"], out_tensor_index=t["out_tensor_index"],
                         seconds=0.0, copied_calls=t["copied_calls"], refused=t["refused"],
                         loaded=True)
-    records = dict(payload["records"])
-    records["passes"] = [dict(p, seconds=0.0) for p in records["passes"]]   # none ran here
-    records["probe_s"] = 0.0
+    records = payload["records"].copy(probe_s=0.0)
+    records.passes = [dataclasses.replace(p, seconds=0.0) for p in records.passes]   # none ran here
     return dict(gm=gm, inputs=list(payload["inputs"]), traced=traced, records=records,
                 out_regions=payload["out_regions"], writes=payload["writes"],
                 retentions=payload["retentions"], traced_nodes=payload["traced_nodes"],

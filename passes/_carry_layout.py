@@ -2,7 +2,7 @@
 
 * ``layout_read``: the first op that reads a region's old state in a way whose bits depend on
   its layout (``hist.mean(2)``), following views; joins and copies read values only. Recorded per
-  class (``records["layout_reads"]``), so that a state arriving in another layout than its carry
+  class (``records.layout_reads``), so that a state arriving in another layout than its carry
   runs stock only where that matters.
 * ``layout_miss``: the near miss of a new state whose stride order differs from the carry's
   (a priming pass returning ``h.transpose(1, 2)``, a chunk returning the result of a ``cat``

@@ -54,6 +54,7 @@ from ._carry_window import Window, find_window, move, rewrite_window
 from .context import InputSpec, PassContext, RegionBinding
 from .fx_utils import (aten, dead_code_elimination, is_mutating, mutated_arg, storage_key, val,
                        view_chain)
+from .records import LayoutRead
 from .specs import check_carry_write
 
 __all__ = ["carry_retention"]
@@ -84,10 +85,16 @@ def carry_retention(gm: GraphModule, ctx: PassContext) -> PassResult:
 def _record_layout(ctx: PassContext, b: RegionBinding) -> None:
     """The op reading the old state in a way whose bits depend on its layout, if any
     (``_carry_layout.py``): a state arriving in another layout than the carry's runs stock."""
-    reads = ctx.records.setdefault("layout_reads", {})
+    ctx.records.layouts_analysed = True
     read = layout_read(b.placeholder)
-    if read is not None:
-        reads[b.region.name] = read
+    if read is None:
+        return
+    reads = ctx.records.reads
+    was = next((i for i, r in enumerate(reads) if r.region == b.region.name), None)
+    if was is None:
+        ctx.records.add(LayoutRead(b.region.name, read))
+    else:   # the last read found for the region
+        reads[was] = LayoutRead(b.region.name, read)
 
 
 def _read_input_from_carry(gm: GraphModule, b: RegionBinding) -> None:

@@ -12,6 +12,7 @@ from torch.fx import GraphModule, Node
 
 from cadence_fx.contract import Adapter, Region
 
+from .records import NearMiss, Records, Rewrite
 from .specs import CarryAuditor, Specs
 
 __all__ = ["InputSpec", "Carry", "RegionBinding", "PassContext"]
@@ -90,8 +91,7 @@ class PassContext:
     strict: bool = False
     constant_ids: set = dataclasses.field(default_factory=set)  # declared constant attributes
     alias_state: bool = False   # ablation Rc: region inputs bound by address, without carries
-    records: Dict[str, list] = dataclasses.field(default_factory=lambda: {
-        "rewrites": [], "near_misses": [], "constants": [], "pieces": [], "passes": []})
+    records: Records = dataclasses.field(default_factory=Records)   # for the report (``records.py``)
     specs: Specs = dataclasses.field(default_factory=Specs)   # for the runtime (``specs.py``)
 
     def placeholders(self, gm: GraphModule) -> List[Node]:
@@ -113,6 +113,7 @@ class PassContext:
                 dropped += 1
         return dropped
 
-    def note(self, kind: str, region: str, detail: str) -> None:
-        self.records["rewrites" if kind != "near_miss" else "near_misses"].append(
-            {"kind": kind, "region": region, "detail": detail})
+    def note(self, kind: str, region: Optional[str], detail: str) -> None:
+        """Record a rewrite of ``kind`` (``records.REWRITE_KINDS``), or a near miss."""
+        self.records.add(NearMiss(region, detail) if kind == "near_miss"
+                         else Rewrite(kind, region, detail))

@@ -59,6 +59,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from .context import PassContext
 from .exact_ops import DEVICES, DTYPES, VIEWS, fusion_device, fusible, is_kernel
 from .fx_utils import WRITES, aten, graph_module, is_mutating, step_device, subgraph, val
+from .records import FusedRegionRecord
 from .region_writes import absorbed_write, write_target
 from .specs import RegionSpec
 
@@ -68,15 +69,15 @@ MIN_KERNELS = 2
 
 
 def fuse_exact(gm: GraphModule, ctx: PassContext) -> PassResult:
-    records = ctx.records.setdefault("fusion", {"regions": [], "skipped": None})
+    ctx.records.update_fusion()
     device = fusion_device(gm)
     if device is None:
-        records["skipped"] = (f"fusion is for device steps ({', '.join(DEVICES)}); this step "
-                              f"runs on {step_device(gm).type}")
+        ctx.records.update_fusion(skipped=f"fusion is for device steps ({', '.join(DEVICES)}); "
+                                          f"this step runs on {step_device(gm).type}")
         return PassResult(gm, False)
     runs = regions_in_order(gm.graph, device)
     made = 0
-    records["writes_absorbed"] = 0
+    fused: List[FusedRegionRecord] = []
     for run in runs:
         while run and not _launches(run[-1]):    # a run ends on a kernel (or its write)
             run.pop()
@@ -85,11 +86,11 @@ def fuse_exact(gm: GraphModule, ctx: PassContext) -> PassResult:
             continue
         name = f"fused_{made}"
         writes = _replace(gm, ctx, run, name)
-        records["regions"].append({"name": name, "kernels": len(kernels),
-                                   "ops": sorted({n.target.__name__ for n in kernels}),
-                                   "writes": writes})
-        records["writes_absorbed"] += writes
+        fused.append(FusedRegionRecord(name, len(kernels),
+                                       tuple(sorted({n.target.__name__ for n in kernels})), writes))
         made += 1
+    ctx.records.update_fusion(regions=ctx.records.fusion.regions + tuple(fused),
+                              writes_absorbed=sum(r.writes for r in fused))
     return PassResult(gm, made > 0)
 
 

@@ -13,8 +13,9 @@ computed, and each gives ``fuse_exact`` (the pass after them) more to fuse:
   contiguous one explicitly, as the norm's kernel would (``epilogues.contiguous_norm_inputs``).
 
 Like fusion they run on fusion's devices only (``exact_ops.DEVICES``); elsewhere each leaves the
-graph as it is. Each counts what it did in the class's ``fusion`` records under the key it always had (``inplace_made_functional``, ``cats_in_place`` with ``cats_left``,
-``conv_bias_split``, ``norm_inputs_copied``), and is ``modified`` only where it rewrote something.
+graph as it is. Each counts what it did in the class's ``Fusion`` record (``records.py``), in the field it always
+had (``inplace_made_functional``, ``cats_in_place`` with ``cats_left``, ``conv_bias_split``,
+``norm_inputs_copied``), and is ``modified`` only where it rewrote something.
 """
 from __future__ import annotations
 
@@ -28,14 +29,11 @@ from .exact_ops import VIEWS, fusible, fusion_device, is_kernel
 __all__ = ["functional_temporaries", "cats_in_place", "split_conv_bias", "contiguous_norm_inputs"]
 
 
-def _records(ctx: PassContext) -> dict:
-    return ctx.records.setdefault("fusion", {"regions": [], "skipped": None})
-
-
 def functional_temporaries(gm: GraphModule, ctx: PassContext) -> PassResult:
     if fusion_device(gm) is None:
         return PassResult(gm, False)
-    made = _records(ctx)["inplace_made_functional"] = region_writes.functional_temporaries(gm)
+    made = region_writes.functional_temporaries(gm)
+    ctx.records.update_fusion(inplace_made_functional=made)
     return PassResult(gm, made > 0)
 
 
@@ -43,17 +41,18 @@ def cats_in_place(gm: GraphModule, ctx: PassContext) -> PassResult:
     device = fusion_device(gm)
     if device is None:
         return PassResult(gm, False)
-    records = _records(ctx)
-    records["cats_left"] = {}     # copies of a cat left as they were, by reason
-    records["cats_in_place"] = cat_in_place.write_cats_in_place(gm, device, records["cats_left"])
-    return PassResult(gm, records["cats_in_place"] > 0)
+    left: dict = {}     # copies of a cat left as they were, by reason
+    written = cat_in_place.write_cats_in_place(gm, device, left)
+    ctx.records.update_fusion(cats_in_place=written, cats_left=left)
+    return PassResult(gm, written > 0)
 
 
 def split_conv_bias(gm: GraphModule, ctx: PassContext) -> PassResult:
     device = fusion_device(gm)
     if device is None:
         return PassResult(gm, False)
-    split = _records(ctx)["conv_bias_split"] = epilogues.split_conv_bias(gm, device)
+    split = epilogues.split_conv_bias(gm, device)
+    ctx.records.update_fusion(conv_bias_split=split)
     return PassResult(gm, split > 0)
 
 
@@ -61,7 +60,8 @@ def contiguous_norm_inputs(gm: GraphModule, ctx: PassContext) -> PassResult:
     device = fusion_device(gm)
     if device is None:
         return PassResult(gm, False)
-    copied = _records(ctx)["norm_inputs_copied"] = epilogues.contiguous_norm_inputs(
+    copied = epilogues.contiguous_norm_inputs(
         gm, device, lambda n: fusible(n, device) and is_kernel(n),
         lambda n: n.op == "call_function" and n.target in VIEWS and fusible(n, device))
+    ctx.records.update_fusion(norm_inputs_copied=copied)
     return PassResult(gm, copied > 0)

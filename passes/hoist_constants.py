@@ -28,6 +28,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from .context import PassContext
+from .records import HoistedConstant
 from .fx_utils import (SIDE_EFFECTS, attr_value, dead_code_elimination, is_mutating,
                                  mutated_arg, storage_key)
 
@@ -72,15 +73,14 @@ def hoist_constants(gm: GraphModule, ctx: PassContext, max_bytes: int = MAX_BYTE
         v = values[n]
         if not isinstance(v, torch.Tensor) or v.numel() * v.element_size() > max_bytes:
             continue
-        name = f"_cadence_const_{len(ctx.records['constants'])}"
+        name = f"_cadence_const_{len(ctx.records.constants)}"
         gm.register_buffer(name, v.detach(), persistent=False)
         with gm.graph.inserting_before(n):
             attr = gm.graph.get_attr(name)
         attr.meta["val"] = n.meta.get("val")
         n.replace_all_uses_with(attr)
-        ctx.records["constants"].append({
-            "name": name, "shape": tuple(v.shape), "dtype": str(v.dtype), "device": str(v.device),
-            "host_to_device": _crosses_devices(n), "from": n.name})
+        ctx.records.add(HoistedConstant(name, tuple(v.shape), str(v.dtype), str(v.device),
+                                        _crosses_devices(n), n.name))
         hoisted += 1
     dead_code_elimination(gm.graph)
     return PassResult(gm, hoisted > 0)

@@ -17,6 +17,7 @@ specs are the only runtime state besides the fused regions'.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import List
 
@@ -51,22 +52,22 @@ def lower_guarded(gm: GraphModule, ctx: PassContext) -> PassResult:
             name = by_storage.get(storage_key(node))
             if name is not None:
                 fixed_nodes[node] = f"view of {name}"
-    pieces = {p["name"]: p for p in ctx.records["pieces"]}
+    pieces = {p.name: i for i, p in enumerate(ctx.records.pieces)}
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     leaving = set(output.all_input_nodes)
     lowered = 0
     for node in gm.graph.nodes:
         if node.op != "call_module" or node.target not in pieces:
             continue
-        info = pieces[node.target]
+        info = ctx.records.pieces[pieces[node.target]]
         sub = getattr(gm, node.target)
         fixed = [fixed_nodes.get(a) for a in node.args]
         outs = next(n for n in sub.graph.nodes if n.op == "output").args[0]
         escaping = [any(u.target is operator.getitem and u.args[1] == k and u in leaving
                         for u in node.users) for k in range(len(outs))]
-        info["inputs"] = len(fixed)
-        info["aliased_inputs"] = sum(f is not None for f in fixed)
-        ctx.specs.pieces.append(PieceSpec(node.target, info["kind"], list(info["reasons"]), fixed,
+        ctx.records.pieces[pieces[node.target]] = dataclasses.replace(
+            info, inputs=len(fixed), aliased_inputs=sum(f is not None for f in fixed))
+        ctx.specs.pieces.append(PieceSpec(node.target, info.kind, list(info.reasons), fixed,
                                           _mutated_inputs(sub), escaping))
         lowered += 1
     return PassResult(gm, lowered > 0)

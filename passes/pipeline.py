@@ -25,6 +25,7 @@ from cadence_fx.errors import CadenceError
 
 from .context import PassContext
 from .fx_utils import generate_code
+from .records import PassRun
 
 __all__ = ["Options", "ORDER", "NEEDS", "build_pipeline", "check_order", "run_pipeline", "PassFailed",
            "PipelineOrderError"]
@@ -137,9 +138,8 @@ def run_pipeline(gm: GraphModule, ctx: PassContext, pipeline) -> GraphModule:
         except Exception as e:  # noqa: BLE001 - name the pass that failed
             raise PassFailed(f"pass {name} failed on class {ctx.class_key}: {type(e).__name__}: {e}") from e
         seconds = time.perf_counter() - start
-        ctx.records["passes"].append({"name": name, "modified": result.modified,
-                                      "nodes_before": before, "nodes_after": len(gm.graph.nodes),
-                                      "seconds": round(seconds, 4)})
+        ctx.records.add(PassRun(name, result.modified, before, len(gm.graph.nodes),
+                                round(seconds, 4)))
         log.debug("%s: modified=%s nodes %d -> %d in %.3fs", name, result.modified, before,
                   len(gm.graph.nodes), seconds)
     if not pipeline:

@@ -28,6 +28,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from .context import PassContext
 from .fx_utils import aten, graph_module, step_device, subgraph, val
+from .records import Piece
 
 __all__ = ["shape_enumeration", "eager_reason"]
 
@@ -107,14 +108,13 @@ def shape_enumeration(gm: GraphModule, ctx: PassContext) -> PassResult:
                 dag.add_edge(piece_of[a], piece_of[n], value=a.name)
     assert nx.is_directed_acyclic_graph(dag) and all(u < v for u, v in dag.edges), \
         "pieces taken in graph order must only depend on earlier pieces"
-    ctx.records["graph"] = gm  # the unsplit graph, for inspection
-    ctx.records["piece_of"] = {n.name: piece_of[n] for n in body}
+    ctx.records.graph = gm  # the unsplit graph, for inspection
+    ctx.records.piece_of = {n.name: piece_of[n] for n in body}
     split = _split(gm, runs, piece_of)
-    ctx.records["pieces"] = [{
-        "name": f"piece_{i}", "kind": kinds[run[0]], "nodes": len(run),
-        "reasons": sorted({reasons[n] for n in run if n in reasons}),
-        "depends_on": sorted(dag.predecessors(i))} for i, run in enumerate(runs)]
-    ctx.records["catalog_class"] = ctx.class_key
+    ctx.records.pieces = [Piece(
+        f"piece_{i}", kinds[run[0]], len(run), tuple(sorted({reasons[n] for n in run if n in reasons})),
+        tuple(sorted(dag.predecessors(i)))) for i, run in enumerate(runs)]
+    ctx.records.catalog_class = ctx.class_key
     return PassResult(split, True)
 
 

@@ -360,7 +360,7 @@ def joins_feeding_carries(entry, joins) -> List[Tuple[str, str]]:
     """``(carry, join node)`` for every in-place write into a carry of a compiled class whose
     source is (a view of) one of ``joins`` (e.g. ``aten.cat``): the stock join still runs to form
     the new state."""
-    gm = entry.records.get("graph", entry.gm)
+    gm = entry.records.graph or entry.gm
     carries = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("carry_")}
     found = []
     for n in gm.graph.nodes:

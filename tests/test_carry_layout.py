@@ -74,12 +74,12 @@ def test_a_history_transposed_by_the_priming_pass_stays_exact(device):
     (reason,) = k.reasons
     assert reason.startswith("region 'hist' arrives with strides (192, 1, 16)") and MEAN in reason
     assert "(512, 32, 1)" in reason and "`.contiguous()`" in reason   # the carry's strides, the fix
-    (miss,) = [m for m in _priming(compiled).records["near_misses"] if m["region"] == "hist"]
-    assert "dims outermost first (2, 1)" in miss["detail"] and "not written into the carry" in miss["detail"]
+    (miss,) = [m for m in _priming(compiled).records.near_misses if m.region == "hist"]
+    assert "dims outermost first (2, 1)" in miss.detail and "not written into the carry" in miss.detail
     (full,) = _classes(compiled, PROMPT + RETAINED, CHUNK)
-    kinds = {w["region"]: w["kind"] for w in full.records["rewrites"]}
+    kinds = {w.region: w.kind for w in full.records.rewrites}
     assert kinds["hist"] == "retention" and kinds["k0"] == "retention"
-    assert full.records["layout_reads"] == {"hist": MEAN}
+    assert full.records.layout_reads == {"hist": MEAN}
     assert compiled.auditor.comparisons["hist"] == 21   # every compiled chunk's write
     if device == "cuda":
         assert k.replays >= 21
@@ -129,4 +129,4 @@ def test_a_state_read_only_by_joins_may_arrive_in_any_layout():
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks) == (1, 0)
     (entry,) = compiled.classes.values()
-    assert entry.records["layout_reads"] == {"hist": MEAN}   # not the caches
+    assert entry.records.layout_reads == {"hist": MEAN}   # not the caches

@@ -29,6 +29,7 @@ from cadence_fx.contract import APPEND, Adapter, PromptRetained, Region, Ring, S
 from cadence_fx.counters import Counters
 from cadence_fx.errors import CadenceError, ShadowMismatch
 from cadence_fx.passes.fx_utils import aten
+from cadence_fx.passes.records import NearMiss, Rewrite
 from cadence_fx.tracing import leaves_with_paths, trace_step
 from helpers import side_by_side
 
@@ -296,7 +297,7 @@ def _assert_equal_outputs(got, want):
 
 
 def _kinds(ctx):
-    return [r["kind"] for r in ctx.records["rewrites"]]
+    return [r.kind for r in ctx.records.rewrites]
 
 
 def _state(frames, seed=0):
@@ -328,7 +329,7 @@ def test_retention_rewrite_writes_the_carry():
     named = {"x": _state(2, 1), "cache": _state(6, 2)}  # the class where retention fires (6 + 2 > 6)
     result, ctx, before, after = _carry_pass(Retain(), RETAIN, **named)
     assert result.modified
-    assert _kinds(ctx) == ["retention"] and not ctx.records["near_misses"]
+    assert _kinds(ctx) == ["retention"] and not ctx.records.near_misses
     assert (before[COPY], after[COPY]) == (0, 2)  # C[:P] = X[:P]; C[P:P+R] = X[L-R:L]
     assert [s.kind for s in ctx.inputs] == ["arg", "carry"]  # the region input now reads the carry
     got = _run_rewritten(result.graph_module, ctx, Retain(), named)
@@ -351,7 +352,7 @@ def test_overlapping_envelope_retention_moves_in_place():
     named = {"x": _state(2, 1), "cache": _state(8, 2)}  # L = 10, P = 2, R = 6: shift 2, 3 pieces
     result, ctx, before, after = _carry_pass(EnvelopeRetain(), ENVELOPE, **named)
     assert result.modified
-    assert _kinds(ctx) == ["envelope", "retention"] and not ctx.records["near_misses"]
+    assert _kinds(ctx) == ["envelope", "retention"] and not ctx.records.near_misses
     assert (before[COPY], after[COPY]) == (1, 1 + 1)
     assert len([n for n in result.graph_module.graph.nodes if n.target is aten.clone.default]) == 1
     assert "buffer" not in [s.kind for s in ctx.inputs]  # the envelope placeholder is gone
@@ -417,7 +418,7 @@ def test_ring_is_already_in_place():
     named = {"x": _state(1, 1), "cache": _state(4, 2), "offset": torch.tensor([3])}
     result, ctx, before, after = _carry_pass(MiniRing(), RING, **named)
     assert result.modified  # the region input now reads the carry
-    assert _kinds(ctx) == ["in_place"] and not ctx.records["near_misses"]
+    assert _kinds(ctx) == ["in_place"] and not ctx.records.near_misses
     assert (before[COPY], after[COPY]) == (0, 0)
     assert before[INDEX_COPY] == after[INDEX_COPY] == 1
     got = _run_rewritten(result.graph_module, ctx, MiniRing(), named)
@@ -442,7 +443,7 @@ def test_no_regions_leaves_the_graph_alone():
     result = carry_pass.carry_retention(traced.gm, ctx)
     result.graph_module.graph.lint()
     assert not result.modified and _op_counts(result.graph_module) == before
-    assert not ctx.records["rewrites"]
+    assert not ctx.records.rewrites
 
 
 # -- near-misses ------------------------------------------------------------------------------------
@@ -492,9 +493,9 @@ def test_strided_retention_stream_bit_exact():
 def test_concatenation_along_another_dim_is_a_near_miss():
     named = {"x": _state(2, 1), "cache": _state(6, 2)}  # new state (1, 6, 3): not the carry's shape
     result, ctx, before, after = _carry_pass(OtherDim(), OTHER_DIM, **named)
-    assert not ctx.records["rewrites"]
-    (miss,) = ctx.records["near_misses"]
-    assert miss["region"] == "hist" and "does not match the declared carry" in miss["detail"]
+    assert not ctx.records.rewrites
+    (miss,) = ctx.records.near_misses
+    assert miss.region == "hist" and "does not match the declared carry" in miss.detail
     assert after[COPY] == before[COPY] == 0 and after[CAT] == before[CAT]
     _assert_equal_outputs(_run_rewritten(result.graph_module, ctx, OtherDim(), named),
                           _stock(OtherDim, named))
@@ -503,10 +504,10 @@ def test_concatenation_along_another_dim_is_a_near_miss():
 def test_envelope_beyond_declared_extent_is_a_near_miss():
     named = {"x": _state(2, 1), "cache": _state(8, 2)}
     result, ctx, _, _ = _carry_pass(EnvelopeRetain(), ENVELOPE_UNDECLARED, **named)
-    (miss,) = ctx.records["near_misses"]
-    assert miss["region"] == "hist"
+    (miss,) = ctx.records.near_misses
+    assert miss.region == "hist"
     assert re.search(r"envelope env: the step (reads|writes) \[\d+, 10\) of dim 2, beyond the "
-                     r"declared 8", miss["detail"])
+                     r"declared 8", miss.detail)
     assert "envelope" not in _kinds(ctx) and "buffer" in [s.kind for s in ctx.inputs]
     _assert_equal_outputs(_run_rewritten(result.graph_module, ctx, EnvelopeRetain(), named),
                           _stock(EnvelopeRetain, named))
@@ -523,7 +524,7 @@ def test_envelope_beyond_declared_extent_stream():
         with torch.no_grad():
             (y, got_cache), (y_ref, ref_cache) = c(x, got_cache), stock(x, ref_cache)
         assert torch.equal(y, y_ref) and torch.equal(got_cache, ref_cache)
-    misses = {e.key[1]: e.records["near_misses"] for e in c.classes.values()}
+    misses = {e.key[1]: e.records.near_misses for e in c.classes.values()}
     assert len(misses) == 4
     assert sum(bool(m) for m in misses.values()) == 1
     assert c.counters.fallbacks == 0 and c.counters.carry_addresses == 1
@@ -535,7 +536,7 @@ def test_result_aliasing_the_state_is_handed_out_as_a_copy():
     carry write: the pass hands out a clone and still writes the new state into the carry."""
     named = {"x": _state(2, 1), "cache": _state(4, 2)}
     result, ctx, before, after = _carry_pass(AliasedOutput(), ALIASED, **named)
-    assert not ctx.records["near_misses"]
+    assert not ctx.records.near_misses
     assert after[COPY] > before[COPY]
     _assert_equal_outputs(_run_rewritten(result.graph_module, ctx, AliasedOutput(), named),
                           _stock(AliasedOutput, named))
@@ -571,9 +572,9 @@ def test_state_aliased_through_a_transpose_is_a_near_miss():
 def test_a_carry_write_after_the_new_state_is_a_near_miss():
     named = {"x": _state(2, 1), "cache": _state(4, 2)}
     result, ctx, before, after = _carry_pass(LateWrite(), LATE, **named)
-    assert not ctx.records["rewrites"]
-    (miss,) = ctx.records["near_misses"]
-    assert miss["detail"] == "mul_ writes the carry after the new state is formed"
+    assert not ctx.records.rewrites
+    (miss,) = ctx.records.near_misses
+    assert miss.detail == "mul_ writes the carry after the new state is formed"
     assert after[CAT] == before[CAT] and after[COPY] == before[COPY] == 0
     _assert_equal_outputs(_run_rewritten(result.graph_module, ctx, LateWrite(), named),
                           _stock(LateWrite, named))
@@ -584,7 +585,7 @@ def test_a_carry_write_after_the_new_state_stream():
     new state is handed out as computed, not written into the carry, and the next call copies
     it in (one absorption a call)."""
     c = _stream(LateWrite, LATE, torch.zeros(1, 3, 0), [2] * 5)
-    misses = [[m["detail"] for m in e.records["near_misses"]] for e in c.classes.values()]
+    misses = [[m.detail for m in e.records.near_misses] for e in c.classes.values()]
     assert misses == [["mul_ writes the carry after the new state is formed"]] * 3
     assert (c.counters.applications, c.counters.absorptions) == (0, 5)
 
@@ -595,15 +596,15 @@ def test_an_envelope_read_beyond_the_declaration_needs_zeros():
     into ``C[:4]`` through a temporary."""
     named = {"x": _state(2, 1), "cache": _state(4, 2)}
     result, ctx, _, _ = _carry_pass(EnvelopeSpare(1.0), SPARE, **named)
-    (miss,) = ctx.records["near_misses"]
-    assert miss["detail"] == ("envelope env: the step reads rows [1, 2) of dim 0 that are not "
+    (miss,) = ctx.records.near_misses
+    assert miss.detail == ("envelope env: the step reads rows [1, 2) of dim 0 that are not "
                               "declared and not known to be zero")
     assert _kinds(ctx) == ["materialize"] and "buffer" in [s.kind for s in ctx.inputs]
     _assert_equal_outputs(_run_rewritten(result.graph_module, ctx, EnvelopeSpare(1.0), named),
                           _stock(lambda: EnvelopeSpare(1.0), named))
 
     result, ctx, before, after = _carry_pass(EnvelopeSpare(0.0), SPARE, **named)
-    assert _kinds(ctx) == ["envelope", "materialize"] and not ctx.records["near_misses"]
+    assert _kinds(ctx) == ["envelope", "materialize"] and not ctx.records.near_misses
     assert "buffer" not in [s.kind for s in ctx.inputs]
     # The temporary is needed: C[2:6] overlaps C[:4]. ``copy_`` refuses such a source when both
     # views are dense (the one-channel stream below) and, when it cannot tell, gives a result
@@ -617,7 +618,7 @@ def test_an_envelope_read_beyond_the_declaration_needs_zeros():
 def test_envelope_with_a_spare_slot_stream(spare):
     c = _stream(lambda: EnvelopeSpare(spare, channels=1), SPARE_1, torch.zeros(1, 1, 0),
                 [2] * 5 + [1])
-    kinds = {e.key[0]: [r["kind"] for r in e.records["rewrites"]] for e in c.classes.values()}
+    kinds = {e.key[0]: [r.kind for r in e.records.rewrites] for e in c.classes.values()}
     if spare:
         assert kinds == {((0,), 2): ["materialize"], ((2,), 2): ["materialize"],
                          ((4,), 2): ["materialize"], ((4,), 1): ["materialize"]}
@@ -762,7 +763,7 @@ FORMS = {
 
 def _graph_nodes(entry):
     """The class's rewritten graph before partitioning."""
-    return list(entry.records.get("graph", entry.gm).graph.nodes)
+    return list((entry.records.graph or entry.gm).graph.nodes)
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
@@ -780,7 +781,7 @@ def test_a_window_read_alone_moves_first_whatever_its_form(form):
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks, k.carry_addresses) == (4, 0, 1)
     (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((w,), c)]
-    assert [r["detail"] for r in steady.records["rewrites"]] == [detail]
+    assert [r.detail for r in steady.records.rewrites] == [detail]
     nodes = _graph_nodes(steady)
     assert sum(n.target is COPY for n in nodes) == copies
     assert sum(n.target is CLONE for n in nodes) == CLONES.get(form, 0)
@@ -823,7 +824,7 @@ def _materialized(model, calls: int, seed: int):
     _lockstep(compiled, model, calls=calls, seed=seed)
     assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (calls, 0)
     (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
-    assert [r["kind"] for r in steady.records["rewrites"]] == ["materialize"]
+    assert [r.kind for r in steady.records.rewrites] == ["materialize"]
     nodes = _graph_nodes(steady)
     return sum(n.target is COPY for n in nodes), sum(n.target is CLONE for n in nodes)
 
@@ -940,8 +941,8 @@ def _envelope_stream(read, spare=0.0, entry=False):
         assert torch.equal(y, y_ref) and torch.equal(ours, ref)
     assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (3, 0)
     (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
-    return ([r["kind"] for r in steady.records["rewrites"]],
-            [m["detail"] for m in steady.records["near_misses"]]) + ((steady,) if entry else ())
+    return ([r.kind for r in steady.records.rewrites],
+            [m.detail for m in steady.records.near_misses]) + ((steady,) if entry else ())
 
 
 def test_an_envelope_slice_of_a_slice_is_bounded_within_its_parent():
@@ -949,8 +950,8 @@ def test_an_envelope_slice_of_a_slice_is_bounded_within_its_parent():
     the carry's 6: the carry stands in for the envelope."""
     kinds, misses, steady = _envelope_stream("tail", entry=True)
     assert (kinds, misses) == (["envelope", "materialize"], [])
-    envelope = steady.records["rewrites"][0]
-    assert (envelope["region"], envelope["detail"]) == ("k", "env (3, 2, 16) -> carry (1, 2, 6)")
+    envelope = steady.records.rewrites[0]
+    assert (envelope.region, envelope.detail) == ("k", "env (3, 2, 16) -> carry (1, 2, 6)")
 
 
 @pytest.mark.parametrize("read,spare,detail", [
@@ -997,8 +998,8 @@ def test_fake_values_after_the_envelope_is_replaced_are_those_of_the_rewritten_g
 
     kinds, misses, steady = _envelope_stream(read, entry=True)
     assert kinds == (["materialize"] if read == "last-slot" else ["envelope", "materialize"])
-    assert [m["region"] for m in steady.records["near_misses"]] == ["k"] * (read == "last-slot")
-    gm = steady.records["graph"]
+    assert [m.region for m in steady.records.near_misses] == ["k"] * (read == "last-slot")
+    gm = steady.records.graph
 
     def layouts():
         return {n.name: (tuple(v.shape), v.stride(), v.dtype) for n in gm.graph.nodes
@@ -1035,7 +1036,7 @@ def test_a_view_of_a_view_of_the_concatenation_is_handed_out_as_a_copy():
     assert all(torch.equal(a, b) for a, b in held)   # none changed under a later call
     assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (5, 0)
     (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
-    assert [r["kind"] for r in steady.records["rewrites"]] == ["retention"]
+    assert [r.kind for r in steady.records.rewrites] == ["retention"]
 
 
 class SquareState(nn.Module):
@@ -1086,7 +1087,7 @@ def test_a_view_of_the_old_state_other_than_its_leading_frames_is_not_the_carry(
     assert same == [True] * 4
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks, k.absorptions) == (4, 0, 1)
-    assert [r["kind"] for r in steady.records["rewrites"]] == ["materialize"]
+    assert [r.kind for r in steady.records.rewrites] == ["materialize"]
 
 
 def test_a_transposed_old_state_as_the_new_state_is_bit_exact():
@@ -1095,9 +1096,9 @@ def test_a_transposed_old_state_as_the_new_state_is_bit_exact():
     of that view, a near miss naming both layouts; the next call copies it in."""
     compiled, steady, same = _square_stream("transposed-state", 2, 0)
     assert compiled.counters.compiled_calls == 4
-    assert steady.records["rewrites"] == []
-    (miss,) = steady.records["near_misses"]
-    assert "dims outermost first (2, 1)" in miss["detail"] and "(1, 2)" in miss["detail"]
+    assert steady.records.rewrites == []
+    (miss,) = steady.records.near_misses
+    assert "dims outermost first (2, 1)" in miss.detail and "(1, 2)" in miss.detail
     assert same == [True] * 4, same
 
 
@@ -1131,7 +1132,7 @@ def test_a_result_viewing_an_envelope_of_the_carrys_shape_is_handed_out_as_a_cop
             assert y.untyped_storage().data_ptr() != carry.untyped_storage().data_ptr()
     assert (compiled.counters.compiled_calls, compiled.counters.fallbacks) == (4, 0)
     (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
-    assert [r["kind"] for r in steady.records["rewrites"]] == ["envelope", "materialize"]
+    assert [r.kind for r in steady.records.rewrites] == ["envelope", "materialize"]
 
 
 def test_a_graph_without_fake_values_is_refused_with_the_fix():
@@ -1208,9 +1209,9 @@ def test_a_new_state_without_a_fake_value_is_a_near_miss_and_left_as_it_is():
     state = _output(gm).args[0][1]
     del state.meta["val"]
     gm = _carry_retention(gm, ctx)
-    assert ctx.records["near_misses"] == [
-        {"kind": "near_miss", "region": "k", "detail": "the new state has no recorded shape"}]
-    assert ctx.records["rewrites"] == []
+    assert ctx.records.near_misses == [
+        NearMiss("k", "the new state has no recorded shape")]
+    assert ctx.records.rewrites == []
     assert _output(gm).args[0][1] is state and not [n for n in gm.graph.nodes if n.target is COPY]
 
 
@@ -1221,10 +1222,10 @@ def test_a_new_state_beyond_the_declared_extent_is_a_near_miss_naming_both():
                      **_named(4))
     state = _output(gm).args[0][1]
     gm = _carry_retention(gm, ctx)
-    assert ctx.records["near_misses"] == [
-        {"kind": "near_miss", "region": "k", "detail": "new state holds 6 frames, beyond the "
-                                                       "declared extent 4; check the retention clocks"}]
-    assert ctx.records["rewrites"] == []
+    assert ctx.records.near_misses == [
+        NearMiss("k", "new state holds 6 frames, beyond the declared extent 4; check the "
+                      "retention clocks")]
+    assert ctx.records.rewrites == []
     assert _output(gm).args[0][1] is state and not [n for n in gm.graph.nodes if n.target is COPY]
 
 
@@ -1243,9 +1244,9 @@ def test_a_state_already_in_the_carry_is_recorded_in_place():
     named = {"x": torch.randn(1, 2, 1), "cache": torch.randn(1, 2, 4), "offset": torch.tensor([3])}
     gm, ctx = _bound(RingOfFour(), _region_adapter(Ring("cap"), cap=4, c=1), **named)
     gm = _carry_retention(gm, ctx)
-    assert ctx.records["rewrites"] == [
-        {"kind": "in_place", "region": "k", "detail": "state is already C[:4]"}]
-    assert ctx.records["near_misses"] == [] and not [n for n in gm.graph.nodes if n.target is COPY]
+    assert ctx.records.rewrites == [
+        Rewrite("in_place", "k", "state is already C[:4]")]
+    assert ctx.records.near_misses == [] and not [n for n in gm.graph.nodes if n.target is COPY]
 
 
 class HalvesItsCacheLate(nn.Module):
@@ -1263,10 +1264,9 @@ def test_a_carry_write_after_the_new_state_is_a_near_miss_of_its_region():
     gm, ctx = _bound(HalvesItsCacheLate(), _region_adapter(SlidingWindow("W"), W=4), **_named(4))
     state = _output(gm).args[0][1]
     gm = _carry_retention(gm, ctx)
-    assert ctx.records["near_misses"] == [
-        {"kind": "near_miss", "region": "k",
-         "detail": "mul_ writes the carry after the new state is formed"}]
-    assert ctx.records["rewrites"] == [] and _output(gm).args[0][1] is state
+    assert ctx.records.near_misses == [
+        NearMiss("k", "mul_ writes the carry after the new state is formed")]
+    assert ctx.records.rewrites == [] and _output(gm).args[0][1] is state
 
 
 class KeepsPromptAndHistory(nn.Module):
@@ -1313,8 +1313,8 @@ def test_retention_writes_both_parts_through_the_carrys_leading_views(cache):
     named = _named(cache)
     gm, ctx = _bound(KeepsPromptAndHistory("fresh"), PROMPT_AND_HISTORY, **named)
     gm = _carry_retention(gm, ctx)
-    assert ctx.records["rewrites"] == [
-        {"kind": "retention", "region": "k", "detail": "new state (6 frames) written into C[:6]"}]
+    assert ctx.records.rewrites == [
+        Rewrite("retention", "k", "new state (6 frames) written into C[:6]")]
     carry = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "carry_k")
     assert carry.next.args == (carry, 2, 0, cache)   # the region input, read from the carry
     dst = _output(gm).args[0][1]
@@ -1336,9 +1336,9 @@ def test_a_join_cut_to_prompt_and_history_is_written_in_place(cache, moved):
     named = _named(cache)
     gm, ctx = _bound(KeepsPromptAndHistory(), PROMPT_AND_HISTORY, **named)
     gm = _carry_retention(gm, ctx)
-    (write,) = ctx.records["rewrites"]
-    assert write["kind"] == "retention" and "C[0:2] stays where it is" in write["detail"]
-    assert not ctx.records["near_misses"] and not [n for n in gm.graph.nodes if n.target is CAT]
+    (write,) = ctx.records.rewrites
+    assert write.kind == "retention" and "C[0:2] stays where it is" in write.detail
+    assert not ctx.records.near_misses and not [n for n in gm.graph.nodes if n.target is CAT]
     copies = [(c.args[0].args[2:], c.args[1].args[2:] if c.args[1].target is SLICE else "x")
               for c in gm.graph.nodes if c.target is COPY]
     assert copies == moved + [((4, 6), "x")]
@@ -1360,9 +1360,9 @@ def test_a_materialized_state_says_why_it_is_copied(form, cache, why):
     named = _named(cache)
     gm, ctx = _bound(KeepsPromptAndHistory(form), PROMPT_AND_HISTORY, **named)
     gm = _carry_retention(gm, ctx)
-    assert ctx.records["rewrites"] == [
-        {"kind": "materialize", "region": "k",
-         "detail": f"new state (6 frames) written into C[:6]: copied once, because {why}"}]
+    assert ctx.records.rewrites == [
+        Rewrite("materialize", "k",
+                f"new state (6 frames) written into C[:6]: copied once, because {why}")]
     with torch.no_grad():
         stock = KeepsPromptAndHistory(form)(named["x"], named["cache"].clone())
     assert all(torch.equal(a, b) for a, b in zip(_run(gm, ctx, named), stock))
@@ -1376,7 +1376,7 @@ def test_a_retention_source_without_a_fake_value_is_materialized():
     source = _output(gm).args[0][1].args[0][0].args[0]
     del source.meta["val"]
     gm = _carry_retention(gm, ctx)
-    assert [(r["kind"], r["region"]) for r in ctx.records["rewrites"]] == [("materialize", "k")]
+    assert [(r.kind, r.region) for r in ctx.records.rewrites] == [("materialize", "k")]
     with torch.no_grad():
         stock = KeepsPromptAndHistory()(named["x"], named["cache"].clone())
     assert all(torch.equal(a, b) for a, b in zip(_run(gm, ctx, named), stock))
@@ -1403,7 +1403,7 @@ def test_retention_along_dim_0_with_the_default_cat_dim():
     gm, ctx = _bound(KeepsPromptAndHistoryOnDim0(), adapter, **named)
     assert [len(n.args) for n in gm.graph.nodes if n.target is CAT] == [1, 1]
     gm = _carry_retention(gm, ctx)
-    assert [(r["kind"], r["region"]) for r in ctx.records["rewrites"]] == [("retention", "k")]
+    assert [(r.kind, r.region) for r in ctx.records.rewrites] == [("retention", "k")]
     assert not [n for n in gm.graph.nodes if n.target is CAT]
     with torch.no_grad():
         stock = KeepsPromptAndHistoryOnDim0()(named["x"], named["cache"].clone())
@@ -1429,7 +1429,7 @@ def test_a_state_reading_the_carry_at_an_offset_is_copied_through_a_temporary():
     state = _output(gm).args[0][1]
     state.meta["val"] = fake_mode(gm).from_tensor(torch.zeros(1, 2, 3))
     gm = _carry_retention(gm, ctx)
-    assert [(r["kind"], r["region"]) for r in ctx.records["rewrites"]] == [("materialize", "k")]
+    assert [(r.kind, r.region) for r in ctx.records.rewrites] == [("materialize", "k")]
     assert sum(n.target is CLONE for n in gm.graph.nodes) == 1
     assert all(torch.equal(a, b) for a, b in zip(_run(gm, ctx, named),
                                                   DropsItsOldestFrame()(**named)))
@@ -1473,10 +1473,10 @@ def test_a_window_without_room_is_a_near_miss_of_its_region_with_the_reason():
     (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((4,), 2)]
     why = ("cat holds 6 frames before the window drops any, but the carry holds 5; give the "
            "region `room` for a call's frames (1 more)")
-    assert steady.records["near_misses"] == [{"kind": "near_miss", "region": "k", "detail": why}]
-    assert steady.records["rewrites"] == [
-        {"kind": "materialize", "region": "k",
-         "detail": f"new state (4 frames) written into C[:4]: copied once, because {why}"}]
+    assert steady.records.near_misses == [NearMiss("k", why)]
+    assert steady.records.rewrites == [
+        Rewrite("materialize", "k",
+                f"new state (4 frames) written into C[:4]: copied once, because {why}")]
 
 
 def test_the_shadow_audit_is_an_eager_piece_with_its_reason():
@@ -1486,7 +1486,7 @@ def test_the_shadow_audit_is_an_eager_piece_with_its_reason():
     compiled = cadence_fx.compile(model, _window_adapter(4, 2), verify=True)
     _lockstep(compiled, model, calls=3, seed=9)
     for entry in compiled.classes.values():
-        assert [(p["kind"], p["reasons"]) for p in entry.records["pieces"]] == [
+        assert [(p.kind, list(p.reasons)) for p in entry.records.pieces] == [
             ("graph", []), ("eager", ["shadow audit compares on the host"])]
     assert compiled.auditor.comparisons["k"] == 3
 
@@ -1548,11 +1548,11 @@ def test_stacked_windows_are_recorded_by_their_parts_and_window(read):
     cats = "cat_1, cat" if read == "window-reversed" else "cat, cat_1"
     detail = ("2 windows (append, {} + 2 frames: " + cats + ") stacked along other dims became "
               "in-place writes on their carry slices; the window [{}, {}) is C[:{}]")
-    assert {held: r["rewrites"] for held, r in records.items()} == {
-        0: [{"kind": "append", "region": "kv", "detail": detail.format(0, 0, 2, 2)}],
-        2: [{"kind": "append", "region": "kv", "detail": detail.format(2, 0, 4, 4)}],
-        4: [{"kind": "retention", "region": "kv", "detail": detail.format(4, 2, 6, 4)}]}
-    assert all(r["near_misses"] == [] for r in records.values())
+    assert {held: r.rewrites for held, r in records.items()} == {
+        0: [Rewrite("append", "kv", detail.format(0, 0, 2, 2))],
+        2: [Rewrite("append", "kv", detail.format(2, 0, 4, 4))],
+        4: [Rewrite("retention", "kv", detail.format(4, 2, 6, 4))]}
+    assert all(r.near_misses == [] for r in records.values())
 
 
 def test_a_stacked_part_without_room_is_a_near_miss_and_the_state_is_copied_with_the_reason():
@@ -1561,10 +1561,10 @@ def test_a_stacked_part_without_room_is_a_near_miss_and_the_state_is_copied_with
     records = _stacked_stream("full", room="one")
     why = ("part [0]: cat holds 6 frames before the window drops any, but the carry holds 5; "
            "give the region `room` for a call's frames (1 more)")
-    assert records[4]["near_misses"] == [{"kind": "near_miss", "region": "kv", "detail": why}]
-    assert records[4]["rewrites"] == [
-        {"kind": "materialize", "region": "kv",
-         "detail": f"new state (4 frames) written into C[:4]: copied once, because {why}"}]
+    assert records[4].near_misses == [NearMiss("kv", why)]
+    assert records[4].rewrites == [
+        Rewrite("materialize", "kv",
+                f"new state (4 frames) written into C[:4]: copied once, because {why}")]
 
 
 def test_a_view_of_the_rewritten_window_is_handed_out_as_a_copy_by_the_pass():
@@ -1588,10 +1588,10 @@ def test_stacked_parts_keeping_different_windows_are_copied_with_both_reasons():
     is no window of one concatenation, nor one window of the carry. The copy's record gives both
     reasons, the first why it is no window, then why it is no join of windows."""
     records = _stacked_stream("uneven")
-    assert [r["kind"] for r in records[2]["rewrites"]] == ["append"]
-    assert records[4]["rewrites"] == [
-        {"kind": "materialize", "region": "kv",
-         "detail": "new state (4 frames) written into C[:4]: copied once, because the new state "
-                   "is not a window of a concatenation along the frame dim; part [1] keeps frames "
-                   "[0, 4) of 4 + 2, part [0] [2, 6) of 4 + 2: not one window of the carry"}]
-    assert records[4]["near_misses"] == []
+    assert [r.kind for r in records[2].rewrites] == ["append"]
+    assert records[4].rewrites == [
+        Rewrite("materialize", "kv",
+                "new state (4 frames) written into C[:4]: copied once, because the new state "
+                "is not a window of a concatenation along the frame dim; part [1] keeps frames "
+                "[0, 4) of 4 + 2, part [0] [2, 6) of 4 + 2: not one window of the carry")]
+    assert records[4].near_misses == []

@@ -59,8 +59,8 @@ def _stream(model, adapter, xs, empty):
 
 def _records(compiled):
     """``{frames held: [(kind, detail), ...]}`` of the region's rewrites, per class."""
-    return {key[0][0][0]: [(r["kind"], r["detail"]) for r in e.records["rewrites"]
-                           if r["region"] == "k"]
+    return {key[0][0][0]: [(r.kind, r.detail) for r in e.records.rewrites
+                           if r.region == "k"]
             for key, e in compiled.classes.items()}
 
 
@@ -364,7 +364,7 @@ def test_a_reader_that_cannot_view_the_carry_rolls_the_rewrite_back(form, order,
             "materialize", f"new state ({frames} frames) written into C[:{frames}]: copied once, "
             f"because a reader cannot take a view of the carry ({VIEW_ERROR})")]
         (entry,) = [e for key, e in compiled.classes.items() if key[0][0] == (l,)]
-        graph = entry.records.get("graph", entry.gm)
+        graph = entry.records.graph or entry.gm
         assert sum(n.target is COPY for n in graph.graph.nodes) == 1
         assert sum(n.target is CLONE for n in graph.graph.nodes) == 0
     if W not in rolled_back:
@@ -400,7 +400,7 @@ def test_a_rolled_back_window_leaves_the_fake_values_the_next_region_reads():
         assert torch.equal(y, y_ref) and all(torch.equal(ours[k], ref[k]) for k in "ab")
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks, dict(k.reasons)) == (8, 0, {})
-    kinds = {key[0][0]: [(r["region"], r["kind"]) for r in e.records["rewrites"]]
+    kinds = {key[0][0]: [(r.region, r.kind) for r in e.records.rewrites]
              for key, e in compiled.classes.items()}
     assert kinds == {(l, l): [("a", "materialize"), ("b", "append")] for l in (0, 2, 4)} | {
         (W, W): [("a", "retention"), ("b", "retention")]}

@@ -315,10 +315,10 @@ def test_real_cfm_stream_with_cats_in_place_is_bit_exact(monkeypatch):
     k = compiled.counters
     assert k.compiled_calls == k.calls == len(WIDTHS) and k.fallbacks == 0
     for entry in compiled.classes.values():
-        fusion_records = entry.records["fusion"]
+        fusion_records = entry.records.fusion
         # per block and Euler step: K, V and their concatenation, and the conv cache's cat
-        assert fusion_records["cats_in_place"] == 2 * 10 * 4, fusion_records["cats_left"]
-        assert fusion_records["cats_left"] == {}
+        assert fusion_records.cats_in_place == 2 * 10 * 4, fusion_records.cats_left
+        assert fusion_records.cats_left == {}
         reads = [a.target for m in entry.gm.modules() if isinstance(getattr(m, "graph", None), torch.fx.Graph)
                  for n in m.graph.nodes if n.target is aten.scaled_dot_product_attention.default
                  for a in n.args[1:3]]
@@ -349,10 +349,10 @@ def test_real_cfm_on_the_device_splits_biases_copies_norm_inputs_and_writes_cats
     assert k.fallbacks == 0 and k.replays == k.calls == len(WIDTHS)
     assert k.fused_regions > 0 and k.fusions_refused == 0
     for entry in compiled.classes.values():
-        f = entry.records["fusion"]
-        assert f["cats_in_place"] == 2 * 10 * 4, f["cats_left"]
-        assert f["cats_left"] == {}
-        assert f["conv_bias_split"] == 2 * 10 * 2        # both convs of each block, each step
-        assert f["norm_inputs_copied"] == 2 * 10          # after the first conv
-        ops = {op for r in f["regions"] for op in r["ops"]}
+        f = entry.records.fusion
+        assert f.cats_in_place == 2 * 10 * 4, f.cats_left
+        assert f.cats_left == {}
+        assert f.conv_bias_split == 2 * 10 * 2        # both convs of each block, each step
+        assert f.norm_inputs_copied == 2 * 10          # after the first conv
+        ops = {op for r in f.regions for op in r.ops}
         assert "clone.default" in ops

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ import torch
 
 import cadence_fx
 from cadence_fx.cli import main
+from cadence_fx.entries import write_entry
 from cadence_fx.models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
 from cadence_fx.passes.pipeline import Options
 
@@ -68,11 +70,11 @@ def test_a_second_step_loads_every_class_instead_of_tracing(tmp_path):
     # the loaded classes are the compiled ones: same rewrites, pieces and generated code
     for key, entry in second.classes.items():
         was = first.classes[key]
-        assert entry.records["rewrites"] == was.records["rewrites"]
-        assert entry.records["pieces"] == was.records["pieces"]
+        assert entry.records.rewrites == was.records.rewrites
+        assert entry.records.pieces == was.records.pieces
         assert entry.gm.code == was.gm.code
-        assert entry.traced_nodes == was.traced_nodes > 0 and entry.records["probe_s"] == 0.0
-    assert "retention" in str([e.records["rewrites"] for e in second.classes.values()])
+        assert entry.traced_nodes == was.traced_nodes > 0 and entry.records.probe_s == 0.0
+    assert "retention" in str([e.records.rewrites for e in second.classes.values()])
 
 
 def test_a_loaded_class_runs_no_trace_no_pass_and_no_probe(tmp_path, monkeypatch):
@@ -175,6 +177,27 @@ def test_an_intact_entry_that_does_not_load_here_is_reported_and_compiled_again(
     payload["module"]["imports"] += "\nimport a_module_this_environment_lacks\n"
     first.compile_cache.store_class(key, payload)
     with pytest.warns(RuntimeWarning, match="not loadable here .ModuleNotFoundError"):
+        c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    assert _loads(c) == (1, 3, 3)
+    assert _loads(_stream(PromptRetainedToy(), cache_dir=tmp_path)) == (0, 4, 4)
+
+
+def test_an_entry_of_the_format_before_typed_records_is_reported_and_compiled_again(tmp_path):
+    """Format 3 kept a class's records as dicts (format 4 keeps ``passes/records.py``'s
+    dataclasses): such an entry is refused by its header, reported with the format it has,
+    compiled again and rewritten, never loaded with records of the old shape."""
+    first = _stream(PromptRetainedToy(), cache_dir=tmp_path)
+    key = next(iter(first.classes))
+    payload = first.compile_cache.load_class(key)
+    records = payload["records"]
+    payload["records"] = {"rewrites": [w.as_dict() for w in records.rewrites],
+                          "near_misses": [m.as_dict() for m in records.near_misses],
+                          "pieces": [p.as_dict() for p in records.pieces],
+                          "passes": [p.as_dict() for p in records.passes]}
+    path = first.compile_cache.path(key, "class")
+    header = json.loads(path.read_bytes().partition(b"\n")[0])
+    write_entry(path, dict(header, format=3), pickle.dumps(payload))
+    with pytest.warns(RuntimeWarning, match=r"is of another format \(3\); the class is compiled again"):
         c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
     assert _loads(c) == (1, 3, 3)
     assert _loads(_stream(PromptRetainedToy(), cache_dir=tmp_path)) == (0, 4, 4)
@@ -470,7 +493,7 @@ def test_a_restarted_server_captures_its_whole_catalog_from_the_cache(tmp_path):
         assert [r["how"] for r in restarted.capture_catalog(x, state).rows] == ["compiled before"] * 6
     from cadence_fx.stored_class import CodeModule
     assert len(restarted.classes) == 6
-    assert all(isinstance(e.gm, CodeModule) and e.traced.loaded and e.records["probe_s"] == 0.0
+    assert all(isinstance(e.gm, CodeModule) and e.traced.loaded and e.records.probe_s == 0.0
                for e in restarted.classes.values())
     c = _stream(PromptRetainedToy(), cache_dir=tmp_path)
     assert _loads(c) == (0, 4, 4)

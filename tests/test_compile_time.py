@@ -58,8 +58,8 @@ def test_carry_fake_values_on_meta_equal_fake_dispatch(cfm, fast, monkeypatch):
     assert len(ran) > 100 and {torch.ops.aten.cat.default, torch.ops.aten.select.int} <= set(ran)
     assert compiled.classes.keys() == plain.classes.keys() and len(compiled.classes) == 2
     for key, entry in compiled.classes.items():
-        assert any(r["kind"] == "envelope" for r in entry.records["rewrites"])
-        assert difference(entry.records["graph"], plain.classes[key].records["graph"]) is None, key
+        assert any(r.kind == "envelope" for r in entry.records.rewrites)
+        assert difference(entry.records.graph, plain.classes[key].records.graph) is None, key
     assert all(torch.equal(x, y) for x, y in zip(mels, plain_mels))
 
 

@@ -52,7 +52,7 @@ def stock():
 
 
 def _fusion_records(compiled):
-    return [e.records["fusion"] for e in compiled.classes.values()]
+    return [e.records.fusion for e in compiled.classes.values()]
 
 
 def fresh_process(monkeypatch):
@@ -81,18 +81,18 @@ def test_the_rewrites_run_through_a_server_lifecycle_bit_exact(fuse_on_cpu, stoc
     primed = [e.key[0][0] == (None, None) for e in compiled.classes.values()]
     records = _fusion_records(compiled)
     assert sorted(primed) == [False] * 5 + [True]   # steady classes: widths x modes, one priming
-    assert [r["cats_in_place"] for r in records] == [2 if p else 6 for p in primed]
-    assert all(r["cats_left"] == {} for r in records)
+    assert [r.cats_in_place for r in records] == [2 if p else 6 for p in primed]
+    assert all(r.cats_left == {} for r in records)
     # the positions' integer fill and clamp fuse with the comparison and the select (in the
     # priming class the offset is a constant: folded at compile time)
     for r in (r for r, p in zip(records, primed) if not p):
-        assert any({"full_like.default", "clamp.default", "where.self"} <= set(x["ops"])
-                   for x in r["regions"]), r["regions"]
+        assert any({"full_like.default", "clamp.default", "where.self"} <= set(x.ops)
+                   for x in r.regions), r.regions
     assert k.fused_regions > 0 and all(r.state != "pending" for e in compiled.classes.values()
                                        for r in regions(e.gm))
     # each layer's conv context (``conv_out.copy_(cat(...)[..., -2:])``) is written by its
     # region, in every class; those regions ran fused
-    assert [r["writes_absorbed"] for r in records] == [LAYERS] * len(records)
+    assert [r.writes_absorbed for r in records] == [LAYERS] * len(records)
     writing = [g for e in compiled.classes.values() for g in regions(e.gm) if g.writes]
     assert len(writing) == LAYERS * len(records) and {g.state for g in writing} == {"fused"}
     # a restart: every class loads from the cache, and every region its compiled code and its
@@ -121,8 +121,8 @@ def test_the_rewrites_run_through_a_server_lifecycle_on_the_device_in_graphs():
     k = compiled.counters
     assert k.fallbacks == 0 and k.compiled_calls == k.calls == len(stock) and k.replays > 0
     records = _fusion_records(compiled)
-    assert [r["writes_absorbed"] for r in records] == [LAYERS] * len(records)
-    assert all(r["cats_left"] == {} for r in records)
+    assert [r.writes_absorbed for r in records] == [LAYERS] * len(records)
+    assert all(r.cats_left == {} for r in records)
     found = [g for e in compiled.classes.values() for g in regions(e.gm)]
     assert k.fused_regions == len(found) > 0 and k.fusions_refused == 0
 
@@ -132,5 +132,5 @@ def test_without_the_rewrites_nothing_is_written_in_place(stock):
     bit-exact, and none of the rewrites ran -- what the first test counts is theirs."""
     compiled = cadence_fx.compile(make_decoder(), DECODER_ADAPTER)
     assert same(stock, script(compiled), bits=True)
-    assert all(r.get("cats_in_place") is None and r["regions"] == []
+    assert all(r.cats_in_place is None and r.regions == ()
                for r in _fusion_records(compiled))

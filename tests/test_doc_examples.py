@@ -202,6 +202,6 @@ def test_readme_report_on_a_line_of_its_own_prints_its_text(capsys):
     assert out.startswith("cadence_fx report: adapter 'toy-prompt-retained'")
     assert "\ncatalog:\n" in out and "\ncounters: calls=1, compiled_calls=1" in out
     (entry,) = compiled.classes.values()
-    rewrites = [f"{w['kind']:<11} {w['region']}: {w['detail']}" for w in entry.records["rewrites"]]
+    rewrites = [f"{w.kind:<11} {w.region}: {w.detail}" for w in entry.records.rewrites]
     assert rewrites and all(f"  {w}\n" in out for w in rewrites), rewrites
     assert re.search(r"\n  piece_0 +graph \d+ nodes", out)

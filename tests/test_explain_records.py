@@ -77,7 +77,7 @@ def test_explain_says_what_the_compiled_records_show(kind):
     text = explain_text(explain(adapter))
     said = _block(text, name)
     i = [r.name for r in adapter.regions].index(name)
-    records = {key[0][0][i]: [w for w in e.records["rewrites"] if w["region"] == name]
+    records = {key[0][0][i]: [w for w in e.records.rewrites if w.region == name]
                for key, e in compiled.classes.items()}
     reached = sorted(e for e in records if e is not None)
 
@@ -98,14 +98,14 @@ def test_explain_says_what_the_compiled_records_show(kind):
         assert reached == [extents[0]] == [extents[-1]]
     # what retention keeps, against the rewrite each class recorded
     retention = said["retention"]
-    kinds = {w["kind"] for ws in records.values() for w in ws}
+    kinds = {w.kind for ws in records.values() for w in ws}
     if retention.startswith("ring"):
         assert "written in place" in retention and kinds == {"in_place"}
     elif retention.startswith("prompt retained"):
         assert "keep the first f_prompt = 24 frames and the last f_retained = 16" in retention
-        assert {w["kind"] for w in records[extents[-1]]} >= {"retention"}
+        assert {w.kind for w in records[extents[-1]]} >= {"retention"}
     else:
-        windows = [w["detail"] for ws in records.values() for w in ws if "became in-place" in w["detail"]]
+        windows = [w.detail for ws in records.values() for w in ws if "became in-place" in w.detail]
         assert windows and kinds <= {"append", "retention"}, kinds
         for detail in windows:
             held, added = map(int, re.search(r"(\d+) \+ (\d+) frames", detail).groups())

@@ -62,7 +62,7 @@ def test_conformer_stream_runs_fused_regions_bit_exact(fuse_on_cpu, stock):
     assert all("aten.copy_.default" not in r.ops[:-1] for r in found)
     # the records name each region of a class, and the stock graph is gone from the top level
     e = next(iter(compiled.classes.values()))
-    assert len(e.records["fusion"]["regions"]) == len(regions(e.gm)) > 0
+    assert len(e.records.fusion.regions) == len(regions(e.gm)) > 0
 
 
 def _written(module) -> int:
@@ -120,12 +120,12 @@ def test_no_regions_on_a_cpu_step_by_default_nor_when_switched_off(stock, monkey
     assert same(stock, run_turns(compiled, TURNS, seed=5)[0])
     e = next(iter(compiled.classes.values()))
     assert not _all_regions(compiled)
-    assert e.records["fusion"]["skipped"] == "fusion is for device steps (cuda); this step runs on cpu"
+    assert e.records.fusion.skipped == "fusion is for device steps (cuda); this step runs on cpu"
     monkeypatch.setattr(exact_ops, "DEVICES", ("cuda", "cpu"))
     off = _compiled(fuse_exact=False)
     assert same(stock, run_turns(off, TURNS, seed=5)[0])
     assert not _all_regions(off) and off.counters.fused_regions == 0
-    assert "fuse_exact" not in [p["name"] for p in next(iter(off.classes.values())).records["passes"]]
+    assert "fuse_exact" not in [p.name for p in next(iter(off.classes.values())).records.passes]
 
 
 def _node(fn, *args):

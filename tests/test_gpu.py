@@ -70,8 +70,8 @@ def test_carry_is_aliased_and_inputs_staged():
     model, prompt_state, xs = _toy()
     compiled = cadence_fx.compile(model, PROMPT_RETAINED_ADAPTER)
     _stream(compiled, prompt_state, xs[:3])
-    pieces = [p for e in compiled.classes.values() for p in e.records["pieces"]]
-    assert all(p["aliased_inputs"] >= 1 for p in pieces)   # carry and weights read in place
+    pieces = [p for e in compiled.classes.values() for p in e.records.pieces]
+    assert all(p.aliased_inputs >= 1 for p in pieces)   # carry and weights read in place
     x_bytes = xs[0].numel() * xs[0].element_size()
     assert compiled.backend.staging_bytes == 3 * x_bytes   # only the chunk input is staged, per class
 
@@ -293,9 +293,9 @@ def test_real_cfm_chunk_is_one_captured_piece():
     compiled = cadence_fx.compile(step, adapter)
     assert all(torch.equal(a, b) for a, b in zip(stock, run(compiled)))
     for entry in compiled.classes.values():
-        assert [p["kind"] for p in entry.records["pieces"]] == ["graph"]
-        assert any(k["host_to_device"] for k in entry.records["constants"])  # the DiT table
-        assert entry.records["staging_predicted"] == sum(
+        assert [p.kind for p in entry.records.pieces] == ["graph"]
+        assert any(k.host_to_device for k in entry.records.constants)  # the DiT table
+        assert entry.records.staging_predicted == sum(
             m.staging_bytes for m in entry.gm.modules() if hasattr(m, "staging_bytes"))
     assert compiled.counters.replays == len(chunks) and compiled.counters.fallbacks == 0
     assert compiled.counters.copied_calls == 9 * compiled.counters.traces   # the DiT, per step

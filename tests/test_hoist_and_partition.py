@@ -238,9 +238,9 @@ def test_hoists_an_input_independent_table():
     assert (_arange(before), before[aten.exp.default]) == (1, 1)
     assert (_arange(after), after[aten.exp.default]) == (0, 0)
     assert after["get_attr"] == 1
-    (const,) = ctx.records["constants"]
-    assert const["shape"] == (1, 3, 1) and const["host_to_device"] is False
-    held = getattr(result.graph_module, const["name"])
+    (const,) = ctx.records.constants
+    assert const.shape == (1, 3, 1) and const.host_to_device is False
+    held = getattr(result.graph_module, const.name)
     assert torch.equal(held, _table().view(1, 3, 1))
     for _ in range(2):  # the held value is read, never written
         _equal(list(result.graph_module(*_flat(Hoistable(), ctx, named))), _stock(Hoistable(), named))
@@ -249,14 +249,14 @@ def test_hoists_an_input_independent_table():
 
 def test_hoisted_stream_bit_exact():
     c = _stream(Hoistable, verify=True)
-    assert all(len(e.records["constants"]) == 1 for e in c.classes.values())
+    assert all(len(e.records.constants) == 1 for e in c.classes.values())
     assert c.counters.fallbacks == 0
 
 
 def test_constants_switch_turns_hoisting_off():
     c = _stream(Hoistable, constants=False)
-    assert all(not e.records["constants"] for e in c.classes.values())
-    assert all(p["name"] != "hoist_constants" for e in c.classes.values() for p in e.records["passes"])
+    assert all(not e.records.constants for e in c.classes.values())
+    assert all(p.name != "hoist_constants" for e in c.classes.values() for p in e.records.passes)
 
 
 @pytest.mark.parametrize("module", [RandomDraw, FromParam, FromBuffer, FromInput, Mutated],
@@ -265,7 +265,7 @@ def test_does_not_hoist(module):
     named = _named()
     traced, ctx = _traced(module(), named)
     result, before, after = _run_pass(hoist_pass.hoist_constants, traced.gm, ctx)
-    assert not result.modified and not ctx.records["constants"]
+    assert not result.modified and not ctx.records.constants
     assert after == before and after["get_attr"] == 0
     m = module()
     for i in range(2):
@@ -278,7 +278,7 @@ def test_does_not_hoist(module):
                          ids=["random", "mutated"])
 def test_not_hoisted_streams_bit_exact(module):
     c = _stream(module, rng_seed=100)
-    assert all(not e.records["constants"] for e in c.classes.values())
+    assert all(not e.records.constants for e in c.classes.values())
 
 
 def test_returned_table_itself_is_not_hoisted():
@@ -288,7 +288,7 @@ def test_returned_table_itself_is_not_hoisted():
     out = next(n for n in traced.gm.graph.nodes if n.op == "output")
     returned = {n.name for n in out.all_input_nodes}
     result, _, _ = _run_pass(hoist_pass.hoist_constants, traced.gm, ctx)
-    assert all(c["from"] not in returned for c in ctx.records["constants"])
+    assert all(c.source not in returned for c in ctx.records.constants)
     m = ReturnsTable()
     for _ in range(2):
         _equal(list(result.graph_module(*_flat(m, ctx, named))), _stock(m, named))
@@ -358,10 +358,10 @@ def test_partition_splits_around_eager_work(module, reason):
     m = module()
     result, ctx, unsplit_out = _partition(m, named)
     assert result.modified
-    pieces = ctx.records["pieces"]
-    assert [p["kind"] for p in pieces] == ["graph", "eager", "graph"]
-    assert [p["reasons"] for p in pieces] == [[], [reason], []]
-    assert pieces[1]["nodes"] == 1 and pieces[1]["depends_on"] == [0]
+    pieces = ctx.records.pieces
+    assert [p.kind for p in pieces] == ["graph", "eager", "graph"]
+    assert [p.reasons for p in pieces] == [(), (reason,), ()]
+    assert pieces[1].nodes == 1 and pieces[1].depends_on == (0,)
     top = result.graph_module
     assert [n.target for n in top.graph.nodes if n.op == "call_module"] == \
         ["piece_0", "piece_1", "piece_2"]  # run in graph order
@@ -373,7 +373,7 @@ def test_partition_splits_around_eager_work(module, reason):
 def test_partition_of_a_capturable_step_is_one_piece():
     named = _named(frames=4)
     result, ctx, unsplit_out = _partition(Plain(), named)
-    assert [(p["kind"], p["reasons"]) for p in ctx.records["pieces"]] == [("graph", [])]
+    assert [(p.kind, list(p.reasons)) for p in ctx.records.pieces] == [("graph", [])]
     _equal(list(result.graph_module(*_flat(Plain(), ctx, named))), unsplit_out)
 
 
@@ -383,7 +383,7 @@ def test_partitioned_stream_bit_exact(module, reason):
     # boolean-mask case of the partition, with that pass off
     c = _stream(lambda: _seeded(module), calls=5, options=Options(mask_writes=False))
     for e in c.classes.values():
-        assert [(p["kind"], p["reasons"]) for p in e.records["pieces"]] == \
+        assert [(p.kind, list(p.reasons)) for p in e.records.pieces] == \
             [("graph", []), ("eager", [reason]), ("graph", [])]
     k = c.counters
     assert (k.compiled_calls, k.eager_pieces, k.guarded_eager, k.replays) == (5, 5, 10, 0)
@@ -406,7 +406,7 @@ def test_lowering_wraps_every_piece_and_counts_on_cpu():
     pieces = [getattr(lowered.graph_module, f"piece_{i}") for i in range(3)]
     assert all(isinstance(p, GuardedPiece) for p in pieces)
     assert [p.kind for p in pieces] == ["graph", "eager", "graph"]
-    assert ctx.records["pieces"][0]["aliased_inputs"] == 2  # the Linear's weight and bias
+    assert ctx.records.pieces[0].aliased_inputs == 2  # the Linear's weight and bias
     k = ctx.counters
     for call in range(1, 4):
         _equal(list(lowered.graph_module(*_flat(m, ctx, named))), unsplit_out)
@@ -586,7 +586,7 @@ def test_state_attributes_are_not_constants_but_literals_are():
     named = _named()
     traced, ctx = _traced(StateAttribute(), named)
     result, _, _ = _run_pass(hoist_pass.hoist_constants, traced.gm, ctx)
-    assert len(ctx.records["constants"]) == 1  # the literal table, not the counter
+    assert len(ctx.records.constants) == 1  # the literal table, not the counter
     g = torch.Generator().manual_seed(5)
     c, stock = cadence_fx.compile(StateAttribute(), WINDOW), StateAttribute()
     xs = [torch.randn(1, 3, 2, generator=g) for _ in range(4)]

@@ -61,7 +61,7 @@ def _run(window, device="cpu", calls=10, adapter=ADAPTER, cache_dir=None, **opti
 
 def _istfts(compiled) -> int:
     return sum(n.target is aten.istft.default for e in compiled.classes.values()
-               for n in e.records["graph"].graph.nodes)
+               for n in e.records.graph.graph.nodes)
 
 
 @pytest.mark.parametrize("name", ["hann", "hamming", "blackman"])
@@ -70,18 +70,18 @@ def test_istft_on_a_constant_window_is_its_aten_ops_in_one_piece_and_bit_exact(n
     compiled = _run(window)
     assert _istfts(compiled) == 0
     for e in compiled.classes.values():
-        assert [(p["kind"], p["reasons"]) for p in e.records["pieces"]] == [("graph", [])]
-        assert [w["kind"] for w in e.records["rewrites"]].count("host_check") == 1
+        assert [(p.kind, list(p.reasons)) for p in e.records.pieces] == [("graph", [])]
+        assert [w.kind for w in e.records.rewrites].count("host_check") == 1
         # the envelope (1, samples) reads only the window: hoisted, computed once
-        assert any(len(c["shape"]) == 2 and c["shape"][0] == 1 for c in e.records["constants"])
+        assert any(len(c.shape) == 2 and c.shape[0] == 1 for c in e.records.constants)
 
 
 def test_without_the_pass_istft_splits_the_graph_around_an_eager_piece():
     compiled = _run(torch.hann_window(16), host_checks=False)
     assert _istfts(compiled) == len(compiled.classes)
     for e in compiled.classes.values():
-        assert [p["kind"] for p in e.records["pieces"]] == ["graph", "eager", "graph"]
-        assert e.records["pieces"][1]["reasons"] == [ISTFT_KEPT]
+        assert [p.kind for p in e.records.pieces] == ["graph", "eager", "graph"]
+        assert list(e.records.pieces[1].reasons) == [ISTFT_KEPT]
 
 
 def test_a_window_that_fails_the_check_raises_as_stock_does():
@@ -114,11 +114,11 @@ def test_a_window_in_module_state_not_declared_constant_keeps_the_stock_call():
     undeclared = Adapter(**{**ADAPTER.__dict__, "name": "vocoder-undeclared", "constants": ()})
     compiled = _run(torch.hann_window(16), adapter=undeclared)
     assert _istfts(compiled) == len(compiled.classes)
-    misses = [m["detail"] for e in compiled.classes.values() for m in e.records["near_misses"]]
+    misses = [m.detail for e in compiled.classes.values() for m in e.records.near_misses]
     assert misses and all("is not a constant of the class (declare the tensor it comes from in "
                           "Adapter.constants" in m for m in misses)
-    assert all(p["reasons"] == [ISTFT_KEPT] for e in compiled.classes.values()
-               for p in e.records["pieces"] if p["kind"] == "eager")
+    assert all(list(p.reasons) == [ISTFT_KEPT] for e in compiled.classes.values()
+               for p in e.records.pieces if p.kind == "eager")
 
 
 def test_a_restarted_vocoder_loads_its_decomposed_istft_and_takes_a_retry(tmp_path):
@@ -187,7 +187,7 @@ def test_a_window_read_directly_from_undeclared_module_state_keeps_the_stock_cal
     k = compiled.counters   # the last call ran the compiled class; its kept istft raised
     assert (k.calls, k.compiled_calls, k.fallbacks) == (len(xs) + 1, len(xs), 0)
     assert _istfts(compiled) == len(compiled.classes)
-    misses = [m["detail"] for e in compiled.classes.values() for m in e.records["near_misses"]]
+    misses = [m.detail for e in compiled.classes.values() for m in e.records.near_misses]
     assert misses and all("is module state not declared constant (Adapter.constants)" in m
                           for m in misses)
 
@@ -198,7 +198,7 @@ def test_a_decomposition_that_cannot_be_traced_keeps_the_stock_call(monkeypatch)
     monkeypatch.setattr(torch._refs, "istft", refuses)
     compiled = _run(torch.hann_window(16))
     assert _istfts(compiled) == len(compiled.classes)
-    misses = [m["detail"] for e in compiled.classes.values() for m in e.records["near_misses"]]
+    misses = [m.detail for e in compiled.classes.values() for m in e.records.near_misses]
     assert misses and all("its decomposition could not be traced (NotImplementedError: no "
                           "decomposition here)" in m for m in misses)
 
@@ -220,7 +220,7 @@ def test_the_pass_keeps_the_call_when_the_window_fails_its_check():
                       constant_ids={id(window)})
     assert not host_checks(gm, ctx).modified
     assert sum(n.target is aten.istft.default for n in gm.graph.nodes) == 1
-    assert [m["detail"].split(": ", 2)[-1] for m in ctx.records["near_misses"]] == [
+    assert [m.detail.split(": ", 2)[-1] for m in ctx.records.near_misses] == [
         "its window envelope falls to 0, the stock call raises"]
 
 

@@ -94,8 +94,8 @@ def test_a_masked_write_of_one_value_is_a_select_and_bit_exact(form):
     if form == "nan":
         assert not all(masks)
     for e in compiled.classes.values():
-        assert [(p["kind"], p["reasons"]) for p in e.records["pieces"]] == [("graph", [])]
-        assert [w["kind"] for w in e.records["rewrites"]].count("mask_write") == 1
+        assert [(p.kind, list(p.reasons)) for p in e.records.pieces] == [("graph", [])]
+        assert [w.kind for w in e.records.rewrites].count("mask_write") == 1
     assert _index_puts(compiled) == 0
 
 
@@ -115,9 +115,9 @@ def test_other_masked_writes_stay_eager_with_the_reason(form):
     stock, ours, compiled = _run(form)
     assert same(stock, ours, bits=True)
     for e in compiled.classes.values():
-        assert [(p["kind"], p["reasons"]) for p in e.records["pieces"]] == \
+        assert [(p.kind, list(p.reasons)) for p in e.records.pieces] == \
             [("graph", []), ("eager", [BOOL_MASK]), ("graph", [])]
-        assert "mask_write" not in [w["kind"] for w in e.records["rewrites"]]
+        assert "mask_write" not in [w.kind for w in e.records.rewrites]
     assert compiled.counters.eager_pieces == len(stock)
 
 
@@ -132,7 +132,7 @@ def test_on_the_device_a_masked_write_replays_in_one_graph(form):
     k = compiled.counters
     assert (k.replays, k.eager_pieces) == (len(stock), 0)
     for e in compiled.classes.values():
-        assert [(p["kind"], p["reasons"]) for p in e.records["pieces"]] == [("graph", [])]
+        assert [(p.kind, list(p.reasons)) for p in e.records.pieces] == [("graph", [])]
     assert _index_puts(compiled) == 0
 
 
@@ -140,7 +140,7 @@ def test_the_switch_turns_the_pass_off():
     stock, ours, compiled = _run("rows", mask_writes=False)
     assert same(stock, ours, bits=True)
     for e in compiled.classes.values():
-        assert [p["kind"] for p in e.records["pieces"]] == ["graph", "eager", "graph"]
+        assert [p.kind for p in e.records.pieces] == ["graph", "eager", "graph"]
     assert _index_puts(compiled) == len(compiled.classes)
 
 

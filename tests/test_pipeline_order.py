@@ -54,13 +54,13 @@ def test_each_fusion_rewrite_records_what_it_did_and_says_so(fuse_on_cpu):
     assert same(script(make_decoder()), script(compiled), bits=True)
     assert compiled.counters.compiled_calls == compiled.counters.calls > 0
     for e in compiled.classes.values():
-        ran = {p["name"]: p for p in e.records["passes"]}
-        fusion_records = e.records["fusion"]
+        ran = {p.name: p for p in e.records.passes}
+        fusion_records = e.records.fusion
         for name, key in RECORD.items():
-            assert ran[name]["modified"] == (fusion_records[key] > 0), (name, fusion_records)
-        assert ran["fuse_exact"]["modified"] == (len(fusion_records["regions"]) > 0)
+            assert ran[name].modified == (getattr(fusion_records, key) > 0), (name, fusion_records)
+        assert ran["fuse_exact"].modified == (len(fusion_records.regions) > 0)
         # the K/V caches' cats: what the pass says it did is in the graph
-        assert ran["cats_in_place"]["modified"] and fusion_records["cats_in_place"] > 0
+        assert ran["cats_in_place"].modified and fusion_records.cats_in_place > 0
 
 
 def test_a_fusion_rewrite_switched_off_is_gone_with_its_record(fuse_on_cpu, stock):
@@ -69,19 +69,19 @@ def test_a_fusion_rewrite_switched_off_is_gone_with_its_record(fuse_on_cpu, stoc
     assert same(stock, run_turns(compiled, TURNS, seed=5)[0])
     assert compiled.counters.fused_regions > 0
     for e in compiled.classes.values():
-        names = [p["name"] for p in e.records["passes"]]
+        names = [p.name for p in e.records.passes]
         assert "cats_in_place" not in names and "functional_temporaries" not in names
         assert "split_conv_bias" in names and "fuse_exact" in names
-        assert "cats_in_place" not in e.records["fusion"]
-        assert "inplace_made_functional" not in e.records["fusion"]
+        assert e.records.fusion.cats_in_place is None
+        assert e.records.fusion.inplace_made_functional is None
 
 
 def test_on_a_cpu_step_the_fusion_rewrites_leave_the_graph_alone(stock):
     compiled = cadence_fx.compile(make_model(), CONFORMER_ADAPTER)
     assert same(stock, run_turns(compiled, TURNS, seed=5)[0])
     for e in compiled.classes.values():
-        assert not any(p["modified"] for p in e.records["passes"] if p["name"] in RECORD)
-        assert e.records["fusion"]["skipped"].startswith("fusion is for device steps")
+        assert not any(p.modified for p in e.records.passes if p.name in RECORD)
+        assert e.records.fusion.skipped.startswith("fusion is for device steps")
 
 
 def test_a_keyword_that_disagrees_with_options_is_an_error_not_an_override():

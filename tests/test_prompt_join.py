@@ -107,9 +107,9 @@ def test_append_join_read_by_attention_becomes_the_carrys_room():
     """``X = C[:P+R+c]`` (x copied into the room), attention reads it, the last R frames move
     down to ``C[P:P+R]`` after it: no cat, the prompt ``C[:P]`` never written."""
     gm, ctx, before, after = _pass(Cut(APPEND), _adapter(APPEND))
-    (write,) = ctx.records["rewrites"]
-    assert write["kind"] == "retention" and "into the carry's room" in write["detail"]
-    assert (before, after, ctx.records["near_misses"]) == (2, 0, [])
+    (write,) = ctx.records.rewrites
+    assert write.kind == "retention" and "into the carry's room" in write.detail
+    assert (before, after, ctx.records.near_misses) == (2, 0, [])
     # x into the room, then the last R frames down by c through one temporary (3 pieces)
     copies = _copies(gm)
     assert [dst for dst, _ in copies] == [(P + R, P + R + C), (P, P + R)], copies
@@ -120,9 +120,9 @@ def test_a_join_only_its_cut_reads_needs_no_room(order):
     """Only the cut reads ``X``: the kept old frames move, x is written, no room, no cat; the
     prompt (``C[:P]`` appended, ``C[R:R+P]`` prepended) stays where it is."""
     gm, ctx, before, after = _pass(Cut(order, read=False), _adapter(order, room=None))
-    (write,) = ctx.records["rewrites"]
-    assert write["kind"] == "retention" and "no concatenation is left" in write["detail"]
-    assert (before, after, ctx.records["near_misses"]) == (2, 0, [])
+    (write,) = ctx.records.rewrites
+    assert write.kind == "retention" and "no concatenation is left" in write.detail
+    assert (before, after, ctx.records.near_misses) == (2, 0, [])
     prompt = (0, P) if order == APPEND else (R, R + P)
     dsts = [dst for dst, _ in _copies(gm)]
     assert dsts and all(hi <= prompt[0] or lo >= prompt[1] for lo, hi in dsts), dsts
@@ -136,7 +136,7 @@ def test_a_join_cut_off_the_grid_reads_each_frame_before_it_is_overwritten(order
     frames ``C[R-1:P+R-1]`` move up to ``C[R:R+P]`` before the head's ``C[:R-c]`` moves up over
     their source; appended, the kept frames move down by one before x is written."""
     gm, ctx, before, after = _pass(Cut(order, read=False), _adapter(order, room=None), held=P + R - 1)
-    assert [w["kind"] for w in ctx.records["rewrites"]] == ["retention"] and after == 0
+    assert [w.kind for w in ctx.records.rewrites] == ["retention"] and after == 0
 
 
 @pytest.mark.parametrize("order,room,why", [
@@ -147,10 +147,10 @@ def test_a_join_that_stays_a_temporary_is_a_near_miss(order, room, why):
     append order with no room for x: ``X`` stays, the kept frames are copied from it except the
     prompt, already in place; the record and a near miss say why."""
     gm, ctx, before, after = _pass(Cut(order), _adapter(order, room=room))
-    (write,) = ctx.records["rewrites"]
-    (miss,) = ctx.records["near_misses"]
-    assert write["kind"] == "materialize" and why in write["detail"] and why in miss["detail"]
-    assert f"{P} frames already in place not copied" in write["detail"]
+    (write,) = ctx.records.rewrites
+    (miss,) = ctx.records.near_misses
+    assert write.kind == "materialize" and why in write.detail and why in miss.detail
+    assert f"{P} frames already in place not copied" in write.detail
     assert (before, after) == (2, 1)
     assert [dst for dst, _ in _copies(gm)] == [(0, R) if order == PREPEND else (P, P + R)]
 
@@ -158,9 +158,9 @@ def test_a_join_that_stays_a_temporary_is_a_near_miss(order, room, why):
 def test_a_join_in_the_other_order_is_copied_with_the_reason():
     """Near miss that must not fire: the step appends, the region declares prepend."""
     gm, ctx, before, after = _pass(Cut(APPEND), _adapter(PREPEND))
-    (miss,) = ctx.records["near_misses"]
-    assert "ordering='prepend'" in miss["detail"] and after == 1
-    assert [w["kind"] for w in ctx.records["rewrites"]] == ["retention"]
+    (miss,) = ctx.records.near_misses
+    assert "ordering='prepend'" in miss.detail and after == 1
+    assert [w.kind for w in ctx.records.rewrites] == ["retention"]
 
 
 # -- whole streams -------------------------------------------------------------------------------
@@ -203,8 +203,8 @@ def test_a_stream_keeps_every_cache_exact_and_the_prompt_in_place(order, device)
     prompt = (0, PROMPT) if order == APPEND else (RETAINED, RETAINED + PROMPT)
     for width in (CHUNK, 2):                      # the steady chunk and the turn's last one
         entry = _full(compiled, width)
-        kinds = {w["region"]: w["kind"] for w in entry.records["rewrites"]}
-        misses = {w["region"] for w in entry.records["near_misses"]}
+        kinds = {w.region: w.kind for w in entry.records.rewrites}
+        misses = {w.region for w in entry.records.near_misses}
         kv = "retention" if order == APPEND else "materialize"   # prepend: attention reads X
         assert kinds == {**{f"{c}{i}": kv for i in range(LAYERS) for c in "kv"},
                          **{f"conv{i}": "retention" for i in range(LAYERS)}, "hist": "retention"}

@@ -57,7 +57,7 @@ def test_flow_stream_bit_exact_with_three_carries():
     for region in ("estimator_att_cache", "estimator_cnn_cache", "conformer_att_cache"):
         assert len(addresses["ours"][region]) == 1, region
     assert len(addresses["stock"]["conformer_att_cache"]) > 1
-    assert not any(e.records["near_misses"] for e in compiled.classes.values())
+    assert not any(e.records.near_misses for e in compiled.classes.values())
     assert sum(compiled.auditor.comparisons.values()) == c.applications
 
 

@@ -39,8 +39,8 @@ def test_freeze_omni_stream_bit_exact_with_k_2():
     assert sorted(e.key[0][0] for e in compiled.classes.values()) == [(0, 3), (4, 3)]
     assert sum(compiled.auditor.comparisons.values()) > 0  # the shadow auditor checked the writes
     # the stacked per-layer K/V windows and the fbank context: in place, no copy of the state
-    kinds = {(e.key[0][0], w["region"]): w["kind"] for e in compiled.classes.values()
-             for w in e.records["rewrites"]}
+    kinds = {(e.key[0][0], w.region): w.kind for e in compiled.classes.values()
+             for w in e.records.rewrites}
     assert kinds == {((0, 3), "att_cache"): "append", ((0, 3), "conv_left"): "retention",
                      ((4, 3), "att_cache"): "retention", ((4, 3), "conv_left"): "retention"}
     assert k.retentions == 10 + 8   # conv_left every call; att_cache but at the turns' first calls

@@ -47,18 +47,18 @@ def test_hift_stream_bit_exact_with_device_randomness_and_istft_decomposed():
     assert c.fallbacks == 0 and c.compiled_calls == len(mels)
     assert c.traces == 3                        # extents (0,0,0) and (8,3840,3840); widths 50, 56
     assert len(addresses) == 1 and len(stock_addresses) > 1
-    reasons = {r for e in compiled.classes.values() for p in e.records["pieces"] for r in p["reasons"]}
+    reasons = {r for e in compiled.classes.values() for p in e.records.pieces for r in p.reasons}
     assert reasons == {"shadow audit compares on the host"}     # the auditor, on the CPU only
-    assert all([w["kind"] for w in e.records["rewrites"]].count("host_check") == 1
+    assert all([w.kind for w in e.records.rewrites].count("host_check") == 1
                for e in compiled.classes.values())
     assert not any(n.target is torch.ops.aten.istft.default
-                   for e in compiled.classes.values() for n in e.records["graph"].graph.nodes)
+                   for e in compiled.classes.values() for n in e.records.graph.graph.nodes)
     assert sum(compiled.auditor.comparisons.values()) == 3 * len(mels)
     # the mel context, torch.concat then a tail: a window on the carry (torch.concat traces as an
     # op of its own, aten.concat); the source and speech tails are cut from fresh results, not
     # kept by concatenation: copied once, with the reason
-    kinds = {(e.key[0][0], w["region"]): w["kind"] for e in compiled.classes.values()
-             for w in e.records["rewrites"]}
+    kinds = {(e.key[0][0], w.region): w.kind for e in compiled.classes.values()
+             for w in e.records.rewrites}
     assert {k: v for k, v in kinds.items() if k[1] == "hift_mel_cache"} == {
         ((0, 0, 0), "hift_mel_cache"): "retention", ((8, 3840, 3840), "hift_mel_cache"): "retention"}
     assert {v for k, v in kinds.items() if k[1] not in ("hift_mel_cache", None)} == {"materialize"}
@@ -81,8 +81,8 @@ def test_hift_replays_bit_exact_on_cuda_with_pinned_kernels():
     c = compiled.counters
     assert c.fallbacks == 0 and c.replays == len(mels)   # the whole call is one graph, istft in it
     assert c.eager_pieces == 0 and len(addresses) == 1
-    hoisted = [k for e in compiled.classes.values() for k in e.records["constants"]
-               if k["host_to_device"]]
+    hoisted = [k for e in compiled.classes.values() for k in e.records.constants
+               if k.host_to_device]
     assert hoisted  # the STFT window and the harmonic multipliers are no longer copied per call
 
 
@@ -130,5 +130,5 @@ def test_without_the_host_check_pass_istft_stays_an_eager_piece():
     assert all(torch.equal(a[0], b[0]) for a, b in zip(stock, ours))
     c = compiled.counters
     assert (c.compiled_calls, c.fallbacks, c.eager_pieces) == (len(mels), 0, len(mels))
-    reasons = {r for e in compiled.classes.values() for p in e.records["pieces"] for r in p["reasons"]}
+    reasons = {r for e in compiled.classes.values() for p in e.records.pieces for r in p.reasons}
     assert "istft checks its window on the host (not capturable)" in reasons

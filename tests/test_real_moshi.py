@@ -108,8 +108,8 @@ def test_moshi_frame_bit_exact_with_sampling_and_a_turn_reset():
     assert len(addresses["lm_kv"]) == 1 and len(addresses["lm_token_ring"]) == 1
     steady = [e for e in compiled.classes.values() if "lm_offset', '2'" in str(e.key)]
     # the boolean-mask blanking of LMGen._step is a select (passes/mask_writes.py): one piece
-    assert [(p["kind"], p["reasons"]) for p in steady[0].records["pieces"]] == [("graph", [])]
-    assert [w["kind"] for w in steady[0].records["rewrites"]].count("mask_write") == 1
+    assert [(p.kind, list(p.reasons)) for p in steady[0].records.pieces] == [("graph", [])]
+    assert [w.kind for w in steady[0].records.rewrites].count("mask_write") == 1
 
 
 def test_closing_the_step_lets_the_stock_modules_stream_again():

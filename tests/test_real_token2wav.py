@@ -80,7 +80,7 @@ def test_counters_and_audit(runs):
     assert c.retentions == 2              # calls entering at 402 frames
     assert c.absorptions == 4             # the prompt state of both regions, once per turn
     assert sum(compiled.auditor.comparisons.values()) == c.retentions
-    kinds = {w["kind"] for e in compiled.classes.values() for w in e.records["rewrites"]}
+    kinds = {w.kind for e in compiled.classes.values() for w in e.records.rewrites}
     assert {"envelope", "retention", "in_place"} <= kinds
 
 

@@ -45,8 +45,8 @@ def test_every_window_form_is_rewritten_in_place(form, device):
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks, k.carry_addresses) == (len(xs), 0, 1)
     assert k.retentions > 0 and _cats_left(compiled) == 0
-    kinds = {w["kind"] for e in compiled.classes.values() for w in e.records["rewrites"]
-             if w["region"] == "k"}
+    kinds = {w.kind for e in compiled.classes.values() for w in e.records.rewrites
+             if w.region == "k"}
     assert kinds == {"append", "retention"}, kinds
     if device == "cuda":
         assert k.replays == len(xs)
@@ -81,8 +81,8 @@ def test_a_window_without_room_is_copied_with_the_reason(caplog):
                for a, b in zip(_stream(compiled, xs, "cpu"), _stream(model, xs, "cpu")))
     full = [e for key, e in compiled.classes.items() if key[0] == ((W,), 2)]
     (entry,) = full
-    (write,) = [w for w in entry.records["rewrites"] if w["region"] == "k"]
-    assert write["kind"] == "materialize" and "give the region `room`" in write["detail"]
+    (write,) = [w for w in entry.records.rewrites if w.region == "k"]
+    assert write.kind == "materialize" and "give the region `room`" in write.detail
     assert compiled.counters.fallbacks == 0
     warned = [r.getMessage() for r in caplog.records if "copied whole" in r.getMessage()]
     assert len(warned) == 1 and "region 'k'" in warned[0] and f"class (({W},), 2)" in warned[0]
@@ -112,9 +112,9 @@ def test_a_window_read_through_as_strided_is_copied_with_the_reason():
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks) == (8, 0)
     for key, entry in compiled.classes.items():
-        (write,) = [w for w in entry.records["rewrites"] if w["region"] == "k"]
-        assert write["kind"] == "materialize", key
-        assert "through as_strided at its own strides" in write["detail"], write
+        (write,) = [w for w in entry.records.rewrites if w.region == "k"]
+        assert write.kind == "materialize", key
+        assert "through as_strided at its own strides" in write.detail, write
 
 
 def test_the_carry_has_one_call_of_room_and_analyze_prices_it():
@@ -214,8 +214,8 @@ def test_calls_of_several_widths_append_in_place_with_the_default_room():
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks, k.carry_addresses) == (8, 0, 1)
     assert compiled.carries["k"].extent == W + 8
-    kinds = [w["kind"] for e in compiled.classes.values() for w in e.records["rewrites"]
-             if w["region"] == "k"]
+    kinds = [w.kind for e in compiled.classes.values() for w in e.records.rewrites
+             if w.region == "k"]
     assert len(compiled.classes) == 6 and "materialize" not in kinds and "retention" in kinds
-    assert not [m for e in compiled.classes.values() for m in e.records["near_misses"]]
+    assert not [m for e in compiled.classes.values() for m in e.records.near_misses]
     assert _cats_left(compiled) == 0

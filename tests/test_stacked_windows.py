@@ -103,10 +103,10 @@ def test_stacked_windows_are_written_in_place_on_one_carry(form, device):
         == [True] * len(xs)
     k = compiled.counters
     assert (k.compiled_calls, k.fallbacks, k.carry_addresses) == (len(xs), 0, 1)
-    writes = [w for e in compiled.classes.values() for w in e.records["rewrites"]
-              if w["region"] == "kv"]
-    assert {w["kind"] for w in writes} == {"append", "retention"}
-    assert all(f"{2 * LAYERS} windows" in w["detail"] for w in writes)
+    writes = [w for e in compiled.classes.values() for w in e.records.rewrites
+              if w.region == "kv"]
+    assert {w.kind for w in writes} == {"append", "retention"}
+    assert all(f"{2 * LAYERS} windows" in w.detail for w in writes)
     aten = torch.ops.aten
     assert _count(compiled, aten.cat.default) == 0 and _count(compiled, aten.stack.default) == 0
     if device == "cuda":
@@ -148,7 +148,7 @@ def test_parts_that_keep_different_windows_are_copied_with_the_reason():
     ours, stock = _stream(compiled, "uneven", xs, "cpu"), _stream(model, "uneven", xs, "cpu")
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(ours, stock))
     (steady,) = [e for key, e in compiled.classes.items() if key[0] == ((W,), CHUNK)]
-    (write,) = [w for w in steady.records["rewrites"] if w["region"] == "kv"]
-    assert write["kind"] == "materialize"
-    assert "part [1, 0] keeps frames [0, 6) of 6 + 2, part [0, 0] [2, 8)" in write["detail"]
+    (write,) = [w for w in steady.records.rewrites if w.region == "kv"]
+    assert write.kind == "materialize"
+    assert "part [1, 0] keeps frames [0, 6) of 6 + 2, part [0, 0] [2, 8)" in write.detail
     assert compiled.counters.fallbacks == 0

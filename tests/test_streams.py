@@ -213,11 +213,11 @@ def test_prompt_stream_retention_count_and_classes():
     assert sorted(set(log.classes)) == [((24,), 8), ((32,), 8), ((40,), 5), ((40,), 8), ((40,), 10)]
     assert c.counters.traces == 5
     assert c.counters.applications == 10 and c.auditor.comparisons["att"] == 10
-    kinds = {_class_of(entry, toy.adapter): [r["kind"] for r in entry.records["rewrites"]]
+    kinds = {_class_of(entry, toy.adapter): [r.kind for r in entry.records.rewrites]
              for entry in c.classes.values()}
     assert kinds[((24,), 8)] == ["envelope", "in_place"]
     assert kinds[((40,), 8)] == ["envelope", "retention"]
-    assert all(not entry.records["near_misses"] for entry in c.classes.values())
+    assert all(not entry.records.near_misses for entry in c.classes.values())
 
 
 def test_prompt_stream_retaining_from_the_stock_buffer():
@@ -234,7 +234,7 @@ def test_prompt_stream_retaining_from_the_stock_buffer():
     log = _run_lockstep(toy, c, toy.make(), STREAMS["prompt"], seed=2)
     assert (c.counters.compiled_calls, c.counters.fallbacks) == (log.calls, 0)
     assert c.carries["att"].extent == 24 + 16 + 10
-    assert all([r["kind"] for r in e.records["rewrites"]][0] == "envelope" for e in c.classes.values())
+    assert all([r.kind for r in e.records.rewrites][0] == "envelope" for e in c.classes.values())
     adapter = dataclasses.replace(toy.adapter, name="toy-prompt-retained-no-room",
                                   regions=(dataclasses.replace(region, envelope=None, room=None),))
     c = cadence_fx.compile(toy.make(), adapter, verify=True)
@@ -242,7 +242,7 @@ def test_prompt_stream_retaining_from_the_stock_buffer():
     k = c.counters
     assert (k.compiled_calls, k.fallbacks, k.retentions) == (log.calls, 0, 10)
     assert c.auditor.comparisons["att"] == 10 and k.carry_addresses == 1
-    kinds = {_class_of(entry, adapter): [r["kind"] for r in entry.records["rewrites"]]
+    kinds = {_class_of(entry, adapter): [r.kind for r in entry.records.rewrites]
              for entry in c.classes.values()}
     assert kinds[((24,), 8)] == ["envelope", "in_place"]          # fits the carry until full
     assert kinds[((40,), 8)] == kinds[((40,), 10)] == kinds[((40,), 5)] == ["retention"]

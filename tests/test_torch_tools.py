@@ -179,8 +179,8 @@ def test_on_the_conformers_carry_graph_every_carry_is_copied_whole_each_call():
         for x in conformer.chunk_feats([8, 8], 1):
             _, state = c(x, state)
     (entry,) = [e for e in c.classes.values()
-                if {r["kind"] for r in e.records["rewrites"]} == {"retention"}]
-    g = entry.records["graph"]
+                if {r.kind for r in e.records.rewrites} == {"retention"}]
+    g = entry.records.graph
     ph = _placeholders(g)
     carries = [n for n, s in zip(ph, entry.inputs) if s.kind == "carry"]
     gen = torch.Generator().manual_seed(0)
