@@ -138,6 +138,8 @@ class Served:
             if op == "prime":
                 return self.fpool.step(fid, tokens, spk, prompt_mel=mel_p)
             mel, _ = self.fpool.step(fid, tok, spk)
+        if op == "flow":   # the flow alone (the lane-concurrency probe)
+            return mel, None
         lane = self.fpool.lanes[self.fpool.lane_of(fid)]
         with (torch.cuda.stream(lane.stream) if lane.stream is not None else _null()):
             pcm = self.hpool.step(hid, mel)[0]
@@ -186,31 +188,38 @@ class _GcPauses:
 
 def _concurrency(served, lanes, trials=5):
     """k chunks dispatched at once, one per lane, for k = 1..lanes (after 3 warm-up rounds):
-    the wall time until all are done (synchronized) and the host time the k dispatches took.
-    Lanes that overlap on the device keep the wall near one chunk's; lanes that do not overlap
-    make it k times that; a host-bound dispatch shows as host ms near the wall."""
+    the wall time until all are done (synchronized) and the host time the k dispatches took,
+    for whole chunks (flow and HiFT) and for the flow alone. Lanes that overlap on the device
+    keep the wall near one chunk's; lanes that do not make it k times that; a host-bound
+    dispatch shows as host ms near the wall. HiFT draws device randomness, so its chunks take
+    turns across lanes (docs/sessions.md): whole chunks against the flow alone say what that
+    costs."""
     out = {}
     for k in range(1, lanes + 1):
-        fids = [served.open(20_000 + i, lane=i) for i in range(k)]
-        toks = {f: _tokens(20_000 + i, 3 + trials) for i, f in enumerate(fids)}
-        walls, hosts = [], []
-        with torch.inference_mode():
-            for f in fids:
-                served.run(f, "prime")
-            for t in range(3 + trials):
-                _sync()
-                t0 = time.perf_counter()
-                for f in fids:
-                    served.run(f, "chunk", toks[f][t])
-                t1 = time.perf_counter()
-                _sync()
-                if t >= 3:
-                    walls.append((time.perf_counter() - t0) * 1e3)
-                    hosts.append((t1 - t0) * 1e3)
-        for f in fids:
-            served.close(f)
-        out[k] = {"wall_ms_p50": statistics.median(walls), "host_ms_p50": statistics.median(hosts)}
+        out[k] = {op: _at_once(served, k, op, trials) for op in ("chunk", "flow")}
     return out
+
+
+def _at_once(served, k, op, trials):
+    fids = [served.open(20_000 + i, lane=i) for i in range(k)]
+    toks = {f: _tokens(20_000 + i, 3 + trials) for i, f in enumerate(fids)}
+    walls, hosts = [], []
+    with torch.inference_mode():
+        for f in fids:
+            served.run(f, "prime")
+        for t in range(3 + trials):
+            _sync()
+            t0 = time.perf_counter()
+            for f in fids:
+                served.run(f, op, toks[f][t])
+            t1 = time.perf_counter()
+            _sync()
+            if t >= 3:
+                walls.append((time.perf_counter() - t0) * 1e3)
+                hosts.append((t1 - t0) * 1e3)
+    for f in fids:
+        served.close(f)
+    return {"wall_ms_p50": statistics.median(walls), "host_ms_p50": statistics.median(hosts)}
 
 
 async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed):
