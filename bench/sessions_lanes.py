@@ -204,6 +204,8 @@ def _at_once(served, k, op, trials):
     fids = [served.open(20_000 + i, lane=i) for i in range(k)]
     toks = {f: _tokens(20_000 + i, 3 + trials) for i, f in enumerate(fids)}
     walls, hosts = [], []
+    steps = [lane.compiled for pool in (served.fpool, served.hpool) for lane in pool.lanes]
+    before = [(c.counters.calls, c.counters.compiled_calls, c.counters.fallbacks) for c in steps]
     with torch.inference_mode():
         for f in fids:
             served.run(f, "prime")
@@ -219,7 +221,12 @@ def _at_once(served, k, op, trials):
                 hosts.append((t1 - t0) * 1e3)
     for f in fids:
         served.close(f)
-    return {"wall_ms_p50": statistics.median(walls), "host_ms_p50": statistics.median(hosts)}
+    calls, compiled, fallbacks = (sum(c.counters.calls for c in steps) - sum(b[0] for b in before),
+                                  sum(c.counters.compiled_calls for c in steps)
+                                  - sum(b[1] for b in before),
+                                  sum(c.counters.fallbacks for c in steps) - sum(b[2] for b in before))
+    return {"wall_ms_p50": statistics.median(walls), "host_ms_p50": statistics.median(hosts),
+            "calls": calls, "compiled_calls": compiled, "fallbacks": fallbacks}
 
 
 async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed):
