@@ -411,7 +411,7 @@ def cadence_row(mimi, lm_gen, args, warm, timed_streams, reset_at, ref, e):
     # free what cadence_fx holds (carries, graphs, their pool) before the vendor path runs, so
     # neither row's peak counts the other's memory (each row has allocated_at_start_bytes)
     step.close()   # the modules leave streaming: the vendor path enters it again
-    del compiled, step, ours
+    compiled = step = ours = None   # dropped (not del: the lambdas above close over them)
     _held.clear()
     gc.collect()
     if CUDA:
