@@ -89,6 +89,11 @@ TOKEN2WAV_HIFT = dataclasses.replace(
 TOKEN2WAV_FLOW = dataclasses.replace(
     TOKEN2WAV, name="minicpmo-token2wav-flow", regions=(ESTIMATOR_ATT, ESTIMATOR_CNN, CONFORMER_ATT),
     call_frames=("chunk_tokens",), call_input="token", call_dim=1, admission="chunk_tokens",
+    # the CFM's noise is its fixed ``rand_noise`` buffer, sliced: the flow draws no randomness
+    # (the vocoder's SineGen does). Declared, a SessionPool would give each session a generator
+    # state and make its lanes take turns on the device for nothing; a draw the flow did make
+    # would be refused at its probationary call (``class_compiler``), never served shared.
+    effects=Effects(),
     # a server primes each new speaker with the flow's own cache-free prompt pass
     priming=("flow.setup_cache",),
     # the prompt lengths the server accepts, in tokens: retention keeps the first f_prompt

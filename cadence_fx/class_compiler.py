@@ -322,14 +322,33 @@ def probe_effects(cs, traced: TracedStep, named) -> Optional[str]:
         effects = rng.effects()
         state.restore()
         rng.restore()
+    _check_declared_randomness(cs, effects, _on_cuda(cs, named))
     return effects.host_reason
+
+
+def _check_declared_randomness(cs, effects, on_cuda: bool) -> None:
+    """A step that draws from its device's torch generator must say so (``Effects(device_rng=
+    True)``): a ``SessionPool`` gives each session its own generator state only then. Undeclared,
+    its sessions would draw from one shared state, each differing from itself run alone."""
+    drew = effects.device if on_cuda else effects.torch_cpu
+    if drew and not cs.adapter.effects.device_rng:
+        where = "a CUDA generator" if on_cuda else "torch's CPU generator"
+        raise ContractError(
+            f"adapter {cs.adapter.name!r} declares no device randomness, but its step "
+            f"({type(cs.module).__name__}) drew from {where} in its probationary call: declare "
+            "effects=Effects(device_rng=True) in the adapter (each session then draws from its "
+            "own generator state)")
+
+
+def _on_cuda(cs, named) -> bool:
+    """Whether the call or the weights are on CUDA."""
+    return (any(isinstance(v, torch.Tensor) and v.is_cuda for _, v in leaves_with_paths(named)[0])
+            or cs.tensors.on_cuda())
 
 
 def choose_backend(cs, named):
     """CUDA graphs when the call or the weights are on CUDA and graphs are on, else guarded eager."""
-    on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda
-                  for _, v in leaves_with_paths(named)[0])
-    on_cuda = on_cuda or cs.tensors.on_cuda()
+    on_cuda = _on_cuda(cs, named)
     if cs.config.graphs and on_cuda:
         from .cudagraphs import CudaGraphBackend
         return CudaGraphBackend(copy_outputs=cs.config.copy_outputs)
