@@ -204,8 +204,7 @@ def _at_once(served, k, op, trials):
     fids = [served.open(20_000 + i, lane=i) for i in range(k)]
     toks = {f: _tokens(20_000 + i, 3 + trials) for i, f in enumerate(fids)}
     walls, hosts = [], []
-    steps = [lane.compiled for pool in (served.fpool, served.hpool) for lane in pool.lanes]
-    before = [(c.counters.calls, c.counters.compiled_calls, c.counters.fallbacks) for c in steps]
+    before = _totals(served)
     with torch.inference_mode():
         for f in fids:
             served.run(f, "prime")
@@ -221,12 +220,15 @@ def _at_once(served, k, op, trials):
                 hosts.append((t1 - t0) * 1e3)
     for f in fids:
         served.close(f)
-    calls, compiled, fallbacks = (sum(c.counters.calls for c in steps) - sum(b[0] for b in before),
-                                  sum(c.counters.compiled_calls for c in steps)
-                                  - sum(b[1] for b in before),
-                                  sum(c.counters.fallbacks for c in steps) - sum(b[2] for b in before))
-    return {"wall_ms_p50": statistics.median(walls), "host_ms_p50": statistics.median(hosts),
-            "calls": calls, "compiled_calls": compiled, "fallbacks": fallbacks}
+    ran = {k: v - before[k] for k, v in _totals(served).items()}
+    return {"wall_ms_p50": statistics.median(walls), "host_ms_p50": statistics.median(hosts), **ran}
+
+
+def _totals(served) -> dict:
+    """Calls, compiled calls and fallbacks of every lane of both pools."""
+    steps = [lane.compiled for pool in (served.fpool, served.hpool) for lane in pool.lanes]
+    return {f: sum(getattr(c.counters, f) for c in steps)
+            for f in ("calls", "compiled_calls", "fallbacks")}
 
 
 async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed):
@@ -276,8 +278,7 @@ def _row(flow, hift, served, lanes, n, args):
             "sessions_bit_exact": sum(exact), "wall_s": time.perf_counter() - t0,
             "max_memory_allocated": torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0,
             "flow_lane_bytes": mem["lane_bytes"], "flow_session_bytes_mean": mem["session_bytes_mean"],
-            "fallbacks": sum(l.compiled.counters.fallbacks for p in (served.fpool, served.hpool)
-                             for l in p.lanes),
+            "fallbacks": _totals(served)["fallbacks"],
             "fallback_reasons": [dict(l.compiled.counters.reasons) for p in
                                  (served.fpool, served.hpool) for l in p.lanes]}
 

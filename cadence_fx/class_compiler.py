@@ -46,6 +46,12 @@ class ClassEntry:
     retentions: int
     traced_nodes: int = 0            # nodes of the graph as traced, before the passes
     materializations: int = 0        # carry writes copying the whole new state, per call
+    # region -> op reading its layout (None: the carry pass did not look), built once: every
+    # call checks the states that arrive against it
+    layout_reads: Optional[Dict[str, str]] = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self):
+        self.layout_reads = self.records.layout_reads
 
 
 def compile_class(cs, key, named) -> Optional[ClassEntry]:

@@ -158,7 +158,7 @@ class CompiledStep:
             entry = compile_class(self, key, named)
             if entry is None:
                 return None, self.store.verdict(key)
-        reads = entry.records.layout_reads
+        reads = entry.layout_reads
         if reads is None:   # not compiled by the carry pass: any read may depend on the layout
             reads = {name: "ops not analysed" for name in arrived}
         return entry, self._arrival_reason(reads, arrived)

@@ -123,3 +123,12 @@ def seed_weights(module: torch.nn.Module, seed: int) -> None:
             r = torch.randn(p.shape, generator=g)
             p.copy_(r / max(1, p[0].numel()) ** 0.5 if p.dim() > 1
                     else (0.05 * r if name.endswith("bias") else 1 + 0.1 * r))
+
+
+def depformer_offsets(x):
+    """Moshi's depformer offsets: a fresh int64 counter stepped in place between its readers."""
+    t = torch.zeros(1, dtype=torch.long)
+    a = t.add_(1)
+    y = x + a * 3
+    a.add_(1)
+    return y * t, t + 1

@@ -30,6 +30,7 @@ from cadence_fx.tracing import trace_step
 
 import streaming_conformer as conformer
 import streaming_decoder as decoder
+from helpers import depformer_offsets
 from streaming_conformer import one_thread  # noqa: F401 - fixture: one intra-op thread
 
 COPYING = {aten.copy_.default, aten.copy.default, aten.slice_scatter.default,
@@ -324,15 +325,6 @@ def test_reinplace_keeps_a_concatenation_copied_into_a_buffer():
 
 # -- in-place arithmetic on a temporary (functional_temporaries) --------------------------------
 
-def _depformer(x):
-    """Moshi's depformer offsets: a fresh counter stepped in place between its readers."""
-    t = torch.zeros(1, dtype=torch.long)
-    a = t.add_(1)
-    y = x + a * 3
-    a.add_(1)
-    return y * t, t + 1
-
-
 def _faked(gm, *args):
     FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*args)
     return gm
@@ -344,10 +336,10 @@ def test_on_temporaries_alone_functionalize_gives_functional_temporaries_result(
     graph as it is. It cannot be used in its place for the trace reasons above, and because
     it also rewrites what the pass must leave alone (next test)."""
     x = torch.arange(6)
-    ours = _faked(make_fx(_depformer)(x), x)
+    ours = _faked(make_fx(depformer_offsets)(x), x)
     assert functional_temporaries(ours) == 2
     ours.recompile()
-    theirs = _functional(_depformer, x)
+    theirs = _functional(depformer_offsets, x)
     assert _ops(ours) == _ops(theirs) == collections.Counter(
         {"aten.add.Tensor": 4, "aten.mul.Tensor": 2, "aten.zeros.default": 1})
     assert _ops(_functional(ours, x)) == _ops(ours)
@@ -359,7 +351,7 @@ def test_reinplace_undoes_functional_temporaries():
     ``add`` an ``add_`` again (and ``mul`` a ``mul_``), closing the fused regions at each write
     as before the pass. It is for memory, not for fusion."""
     x = torch.arange(6)
-    ours = _faked(make_fx(_depformer)(x), x)
+    ours = _faked(make_fx(depformer_offsets)(x), x)
     functional_temporaries(ours)
     ours.recompile()
     back = reinplace(make_fx(ours)(x), x)
