@@ -1,7 +1,7 @@
 """Token2Wav conversations per GPU with lanes, compiled priming and the deadline scheduler.
 
     python bench/sessions_lanes.py [--out bench/results/<date>-h200-sessions-lanes.json]
-        [--depth 16] [--lanes 1,2] [--ns 8,16,24,32] [--seconds 6] [--budget-s 420]
+        [--depth 16] [--lanes 1,2] [--ns 8,16,24,32] [--seconds 6] [--budget-s 420] [--host-profile]
     python bench/sessions_lanes.py --device cpu --depth 1 --ns 2 --lanes 1,2 --seconds 2   # harness
 
 Per lane count L and session count N: N conversations arrive (Poisson, mean gap ``--gap-ms``),
@@ -224,6 +224,35 @@ def _at_once(served, k, op, trials):
     return {"wall_ms_p50": statistics.median(walls), "host_ms_p50": statistics.median(hosts), **ran}
 
 
+def _host_profile(served, k, trials=3):
+    """Where the host time of k chunks dispatched at once (one per lane) goes: the profiler's CPU
+    side (torch ops and CUDA runtime calls such as ``cudaGraphLaunch``, ``cudaStreamSynchronize``)
+    over ``trials`` rounds after 3 warm-up rounds, the 15 largest by self time, per round."""
+    from torch.profiler import ProfilerActivity, profile
+    fids = [served.open(30_000 + i, lane=i) for i in range(k)]
+    toks = {f: _tokens(30_000 + i, 3 + trials) for i, f in enumerate(fids)}
+    with torch.inference_mode():
+        for f in fids:
+            served.run(f, "prime")
+        for t in range(3):
+            for f in fids:
+                served.run(f, "chunk", toks[f][t])
+        _sync()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (DEVICE == "cuda")) as prof:
+            for t in range(3, 3 + trials):
+                for f in fids:
+                    served.run(f, "chunk", toks[f][t])
+            host_ms = (time.perf_counter() - t0) * 1e3 / trials
+            _sync()
+    for f in fids:
+        served.close(f)
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    return {"lanes": k, "host_ms_per_round": host_ms,
+            "top_self_cpu": [(e.key[:60], round(e.self_cpu_time_total / 1e3 / trials, 2),
+                              e.count // trials) for e in events[:15]]}
+
+
 def _totals(served) -> dict:
     """Calls, compiled calls and fallbacks of every lane of both pools."""
     steps = [lane.compiled for pool in (served.fpool, served.hpool) for lane in pool.lanes]
@@ -358,7 +387,7 @@ def _lane_rows(result, served, flow, hift, lanes, args, start, save):
     """A row per lane count and session count within ``--budget-s``; the best row's kernel
     fraction."""
     for L in lanes:
-        for n in [int(x) for x in args.ns.split(",")]:
+        for n in [int(x) for x in args.ns.split(",") if x]:
             if time.perf_counter() - start > args.budget_s:
                 result["skipped"].append({"lanes": L, "sessions": n})
                 continue
@@ -404,6 +433,8 @@ def _args():
     ap.add_argument("--budget-ms", type=float, default=900.0, help="a chunk's deadline")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop adding rows after this")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="profile the host side of k chunks at once (k = 1 and the most lanes)")
     ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                     help="leave the objects start-up made to the collector (default: gc.freeze())")
     return ap.parse_args()
@@ -435,7 +466,7 @@ def main():
         result["stock_priming_p50_ms"] = _priming_ms(
             lambda: flow(tokens, spk, None, prompt_mel=mel_p), 5)
         result["stock_priming_kernels"] = _kernels(lambda: flow(tokens, spk, None, prompt_mel=mel_p))
-    stock_ns = [int(x) for x in args.stock_ns.split(",")]
+    stock_ns = [int(x) for x in args.stock_ns.split(",") if x]
     result["stock"], result["stock_kernel_fraction"] = _stock_rows(flow, hift, stock_ns, 4,
                                                                    args.budget_ms)
     ok = [r["sessions"] for r in result["stock"] if r["realtime"]]
@@ -454,6 +485,9 @@ def main():
                                                                    prompt_mel=mel_p))
     result["lane_concurrency"] = _concurrency(served, max(lanes))
     print(json.dumps({"lane_concurrency": result["lane_concurrency"]}), flush=True)
+    if args.host_profile:
+        result["host_profile"] = [_host_profile(served, k) for k in sorted({1, max(lanes)})]
+        print(json.dumps({"host_profile": result["host_profile"]}), flush=True)
     if args.gc_freeze:   # what start-up made (graphs, traces, kernels) is never collected again
         gc.collect()
         gc.freeze()

@@ -46,3 +46,13 @@ def failing_capture(monkeypatch):
         monkeypatch.setattr(torch.cuda, "graph", Failing)
         return captures
     return install
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that skips without CUDA is a GPU test: it gets the ``gpu`` mark, so the device's
+    ``pytest -m gpu`` runs it even where its file marks only some tests (``-m gpu`` would
+    otherwise pass over a CUDA test marked by its ``skipif`` alone). Tests that run on CUDA
+    when it is there and on the CPU otherwise (``test_lanes``) carry the mark in their file."""
+    for item in items:
+        if any("CUDA" in m.kwargs.get("reason", "") for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)

@@ -27,6 +27,7 @@ from streaming_decoder import CALL, CHUNK, DECODER_ADAPTER, PROMPT, chunks, make
 
 ADAPTER = dataclasses.replace(DECODER_ADAPTER, prompt_lengths=(PROMPT,))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu   # on CUDA where it is there (the device's -m gpu), else the CPU
 
 
 def _script(seed, n_chunks, reset_at=None):

@@ -151,3 +151,11 @@ def test_the_command_line_help_does_not_import_torch():
     assert "usage: cadence-fx" in out.stdout and out.stdout.strip().endswith("False")
     import cadence_fx
     assert callable(cadence_fx.pin_deterministic_kernels)
+
+
+def test_every_test_that_needs_cuda_is_marked_gpu(request):
+    """The device runs ``pytest -m gpu``: a CUDA test without the mark would never run anywhere."""
+    unmarked = [item.nodeid for item in request.session.items
+                if any("CUDA" in m.kwargs.get("reason", "") for m in item.iter_markers("skipif"))
+                and item.get_closest_marker("gpu") is None]
+    assert not unmarked
