@@ -1,7 +1,7 @@
 """Token2Wav conversations per GPU with lanes, compiled priming and the deadline scheduler.
 
     python bench/sessions_lanes.py [--out bench/results/<date>-h200-sessions-lanes.json]
-        [--depth 16] [--lanes 1,2] [--ns 8,16,24,32] [--seconds 6] [--budget-s 420] [--host-profile]
+        [--depth 16] [--lanes 1,2] [--ns 8,16,24,32] [--seconds 6] [--budget-s 420] [--threads] [--host-profile]
     python bench/sessions_lanes.py --device cpu --depth 1 --ns 2 --lanes 1,2 --seconds 2   # harness
 
 Per lane count L and session count N: N conversations arrive (Poisson, mean gap ``--gap-ms``),
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import datetime
 import gc
 import json
@@ -197,27 +198,40 @@ def _concurrency(served, lanes, trials=5):
     out = {}
     for k in range(1, lanes + 1):
         out[k] = {op: _at_once(served, k, op, trials) for op in ("chunk", "flow")}
+        if k > 1:   # each lane's chunk queued from a thread of its own (Scheduler(threads=True))
+            out[k]["chunk_lane_threads"] = _at_once(served, k, "chunk", trials, threads=True)
     return out
 
 
-def _at_once(served, k, op, trials):
+def _at_once(served, k, op, trials, threads=False):
     fids = [served.open(20_000 + i, lane=i) for i in range(k)]
     toks = {f: _tokens(20_000 + i, 3 + trials) for i, f in enumerate(fids)}
     walls, hosts = [], []
     before = _totals(served)
+    pool = concurrent.futures.ThreadPoolExecutor(k) if threads else None
+
+    def run(f, t):
+        with torch.inference_mode():
+            served.run(f, op, toks[f][t])
+
     with torch.inference_mode():
         for f in fids:
             served.run(f, "prime")
         for t in range(3 + trials):
             _sync()
             t0 = time.perf_counter()
-            for f in fids:
-                served.run(f, op, toks[f][t])
+            if pool is not None:
+                list(pool.map(lambda f: run(f, t), fids))
+            else:
+                for f in fids:
+                    run(f, t)
             t1 = time.perf_counter()
             _sync()
             if t >= 3:
                 walls.append((time.perf_counter() - t0) * 1e3)
                 hosts.append((t1 - t0) * 1e3)
+    if pool is not None:
+        pool.shutdown()
     for f in fids:
         served.close(f)
     ran = {k: v - before[k] for k, v in _totals(served).items()}
@@ -260,10 +274,10 @@ def _totals(served) -> dict:
             for f in ("calls", "compiled_calls", "fallbacks")}
 
 
-async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed):
+async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed, threads=False):
     sched = Scheduler(served.fpool, period_ms=budget_ms, run=served.run,
                       done=lambda fid: served.hpool.done(served.ids[fid][0]),
-                      pools=(served.fpool, served.hpool))
+                      pools=(served.fpool, served.hpool), threads=threads)
     g, results, next_speaker = random.Random(seed), [], [0]
 
     async def conversation():
@@ -297,11 +311,12 @@ def _row(flow, hift, served, lanes, n, args):
     t0 = time.perf_counter()
     with _GcPauses() as pauses:
         report, records, results = asyncio.run(_churn(served, n, args.seconds, args.gap_ms,
-                                                      args.budget_ms, args.period_ms / 1e3, n))
+                                                      args.budget_ms, args.period_ms / 1e3, n,
+                                                      args.threads))
     exact = [all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in
                  zip(outs, _alone(flow, hift, speaker, len(outs)))) for speaker, outs in results]
     mem = served.fpool.memory()
-    return {"lanes": lanes, "sessions": n, **report, **pauses.report(),
+    return {"lanes": lanes, "sessions": n, "lane_threads": args.threads, **report, **pauses.report(),
             "sessions_served": len(results),
             "realtime": report["deadline_misses"] == 0, "all_bit_exact": all(exact),
             "sessions_bit_exact": sum(exact), "wall_s": time.perf_counter() - t0,
@@ -403,7 +418,8 @@ def _lane_rows(result, served, flow, hift, lanes, args, start, save):
     if best is not None and time.perf_counter() - start < args.budget_s + 60:
         served.use = best["lanes"]
         result["cadence_kernel_fraction"] = _kernel_fraction(lambda: asyncio.run(_churn(
-            served, best["sessions"], 1.0, args.gap_ms, args.budget_ms, args.period_ms / 1e3, 99)))
+            served, best["sessions"], 1.0, args.gap_ms, args.budget_ms, args.period_ms / 1e3, 99,
+            args.threads)))
 
 
 def _compiled_priming(result, lane0, prime):
@@ -433,6 +449,8 @@ def _args():
     ap.add_argument("--budget-ms", type=float, default=900.0, help="a chunk's deadline")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop adding rows after this")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--threads", action="store_true",
+                    help="the scheduler queues each lane's chunks from a thread of its own")
     ap.add_argument("--host-profile", action="store_true",
                     help="profile the host side of k chunks at once (k = 1 and the most lanes)")
     ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",

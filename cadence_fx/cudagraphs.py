@@ -197,7 +197,7 @@ class CudaGraphBackend:
         work on this stream, so nothing of theirs can enter the graph (Inductor's CUDA graph
         trees capture the same way)."""
         graph, rng = torch.cuda.CUDAGraph(), RngSnapshot()
-        with _CAPTURES:
+        with DEVICE_RNG:
             try:
                 with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool,
                                                        stream=self._stream(),
@@ -261,10 +261,15 @@ def private_stream() -> torch.cuda.Stream:
         "(step.close(), and drop them), or serve with fewer lanes")
 
 
-# One capture at a time in the process: every capture puts the device's default generator in
-# capture mode (torch registers it with each graph), and that mode is one flag of the generator,
-# not of the thread: two threads capturing at once would each end the other's.
-_CAPTURES = threading.Lock()
+# One capture at a time in the process, and no pooled draw from the device's default generator
+# during one: every capture puts that generator in capture mode (torch registers it with each
+# graph), and the mode is one flag of the generator, not of the thread, so two threads capturing
+# at once would each end the other's, and a replay drawing from it in another thread fails
+# ("Offset increment outside graph capture"). ``SessionPool`` holds it while a session's own
+# generator state is swapped in (its chunk draws), so lanes queued from threads of their own
+# (``Scheduler(threads=True)``) neither race on the generator nor draw during a capture.
+# Reentrant: a chunk that draws may meet a class it captures.
+DEVICE_RNG = threading.RLock()
 
 
 def _out_of_capture(stream: torch.cuda.Stream) -> None:

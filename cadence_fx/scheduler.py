@@ -20,6 +20,14 @@ chunk that spans several pools (Token2Wav's flow and vocoder, on the same lane);
 under ``modes()`` (default ``torch.inference_mode``: the modes are part of every class key);
 ``pools`` names every pool such a chunk runs through.
 
+``Scheduler(pool, threads=True)`` queues each lane's chunks from a thread of that lane's own
+instead of the loop's thread. Queuing a chunk of thousands of kernels can itself wait for the
+device (the driver's launch queue is full: docs/sessions.md, Lanes); from the loop's thread that
+wait holds the loop and every other lane, from a lane's thread only that lane (graph replays
+release the GIL). Results are the same either way: a lane still runs one chunk at a time, a
+session's chunks in order, and steps that draw device randomness take turns
+(``SessionPool``).
+
 What the loop cannot avoid it reports: a class met for the first time in traffic compiles inside
 the dispatch, on the loop's thread, and every lane waits for it (``compiles`` and ``run_ms`` per
 chunk: prepare such classes before traffic with ``sessions.warm_lanes``). A lane whose step
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import heapq
 import itertools
@@ -74,13 +83,22 @@ class _Chunk:
     future: asyncio.Future
 
 
+@dataclasses.dataclass
+class _InFlight:
+    chunk: _Chunk
+    queued: Optional[concurrent.futures.Future] = None   # the lane thread's dispatch (threads=True)
+    event: Optional[object] = None                       # the lane's completion event (CUDA)
+    out: object = None
+
+
 class Scheduler:
     """Earliest-deadline-first dispatch of session chunks onto a pool's lanes (module docstring)."""
 
     def __init__(self, pool, *, period_ms: float = 1000.0, poll_ms: float = 0.2,
                  run: Optional[Callable] = None, done: Optional[Callable] = None,
                  lane: Optional[Callable[[int], int]] = None, clock=time.perf_counter,
-                 modes: Callable = torch.inference_mode, pools: Optional[tuple] = None):
+                 modes: Callable = torch.inference_mode, pools: Optional[tuple] = None,
+                 threads: bool = False):
         if period_ms <= 0 or poll_ms <= 0:
             raise ValueError(f"period_ms {period_ms} and poll_ms {poll_ms} must be positive: "
                              "a chunk's deadline is its arrival plus the audio it carries")
@@ -97,7 +115,10 @@ class Scheduler:
         # (the loop task does not inherit the submitter's)
         self.modes = modes
         self._queues: Dict[int, Deque[_Chunk]] = collections.defaultdict(collections.deque)
-        self._in_flight: Dict[int, tuple] = {}     # lane -> (chunk, event)
+        self._in_flight: Dict[int, _InFlight] = {}
+        # threads=True: one queuing thread per lane (module docstring), made on first use
+        self.threads = threads
+        self._lane_threads: Dict[int, concurrent.futures.ThreadPoolExecutor] = {}
         self._order = itertools.count()
         self._wake: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
@@ -140,6 +161,9 @@ class Scheduler:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        for pool in self._lane_threads.values():
+            pool.shutdown(wait=True)
+        self._lane_threads.clear()
 
     def report(self) -> dict:
         """Per-chunk latency and queueing p50/p99 (ms), deadline misses, chunks per lane; the
@@ -189,14 +213,26 @@ class Scheduler:
         """Resolve the chunks whose lane event has completed (``query``, never a sync);
         whether any was."""
         resolved = False
-        for lane, (chunk, event, out) in list(self._in_flight.items()):
-            if event is not None and not event.query():
+        for lane, flight in list(self._in_flight.items()):
+            if flight.queued is not None:   # still being queued by its lane's thread
+                if not flight.queued.done():
+                    continue
+                queued, flight.queued = flight.queued, None
+                try:
+                    flight.out, flight.event = queued.result()
+                except Exception as e:  # noqa: BLE001 - the caller awaiting this chunk gets it
+                    del self._in_flight[lane]
+                    flight.chunk.record.completed = self.clock()
+                    flight.chunk.future.set_exception(e)
+                    continue
+            if flight.event is not None and not flight.event.query():
                 continue
             del self._in_flight[lane]
+            chunk = flight.chunk
             chunk.record.completed = self.clock()
             self.records.append(chunk.record)
             if not chunk.future.done():
-                chunk.future.set_result(out)
+                chunk.future.set_result(flight.out)
                 resolved = True
         return resolved
 
@@ -217,23 +253,45 @@ class Scheduler:
         while heads:
             _, _, sid = heapq.heappop(heads)
             chunk = self._queues[sid][0]
-            if chunk.record.lane in busy:
+            lane = chunk.record.lane
+            if lane in busy:
                 continue
             self._queues[sid].popleft()
             chunk.record.dispatched = self.clock()
-            met = sum(p.compiles for p in self.pools)
+            busy.add(lane)
+            if self.threads:
+                if lane not in self._lane_threads:
+                    self._lane_threads[lane] = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix=f"cadence-lane{lane}")
+                queued = self._lane_threads[lane].submit(self._queue, sid, chunk)
+                self._in_flight[lane] = _InFlight(chunk, queued=queued)
+                continue
             try:
-                with self.modes():
-                    out = self._run(sid, *chunk.args, **chunk.kwargs)
+                out, event = self._queue(sid, chunk)
             except Exception as e:  # noqa: BLE001 - the caller awaiting this chunk gets it
                 chunk.record.completed = self.clock()
                 chunk.future.set_exception(e)
+                busy.discard(lane)
                 continue
-            finally:
-                chunk.record.run_ms = (self.clock() - chunk.record.dispatched) * 1e3
-                chunk.record.compiles = sum(p.compiles for p in self.pools) - met
-            self._in_flight[chunk.record.lane] = (chunk, self._done(sid), out)
-            busy.add(chunk.record.lane)
+            self._in_flight[lane] = _InFlight(chunk, event=event, out=out)
+
+    def _queue(self, sid: int, chunk: _Chunk) -> tuple:
+        """Queue one chunk (on the loop's thread or its lane's): ``(output, completion event)``.
+        Records the host time it took and the classes its lane met for the first time."""
+        lane = chunk.record.lane
+        met = self._compiles(lane)
+        start = self.clock()
+        try:
+            with self.modes():
+                out = self._run(sid, *chunk.args, **chunk.kwargs)
+            return out, self._done(sid)
+        finally:
+            chunk.record.run_ms = (self.clock() - start) * 1e3
+            chunk.record.compiles = self._compiles(lane) - met
+
+    def _compiles(self, lane: int) -> int:
+        """Classes met first in traffic on ``lane``, over every pool the chunks run through."""
+        return sum(len(p.lanes[lane].compile_log) for p in self.pools if lane < len(p.lanes))
 
 
 def _pct(xs: List[float], q: float) -> Optional[float]:

@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.utils._pytree as pytree
 
+from .cudagraphs import DEVICE_RNG
 from .errors import ContractError, GuardError
 from .lanes import Lane, make_lanes
 
@@ -194,17 +195,20 @@ class SessionPool:
         if session.rng is None:
             return session.lane.compiled(*args, **kwargs)
         gen, stream = self._generator, session.lane.stream
-        if stream is not None and self._rng_done is not None and len(self.lanes) > 1:
-            stream.wait_event(self._rng_done)
-        outside = gen.get_state()
-        gen.set_state(session.rng)
-        try:
-            return session.lane.compiled(*args, **kwargs)
-        finally:
-            session.rng = gen.get_state()
-            gen.set_state(outside)
-            if stream is not None and len(self.lanes) > 1:
-                self._rng_done = session.lane.done()
+        # one generator for the process: one such chunk queued at a time. The lane's step lock
+        # first, as a capture takes them (a priming class compiling in the background holds it)
+        with session.lane.compiled.lock, DEVICE_RNG:
+            if stream is not None and self._rng_done is not None and len(self.lanes) > 1:
+                stream.wait_event(self._rng_done)
+            outside = gen.get_state()
+            gen.set_state(session.rng)
+            try:
+                return session.lane.compiled(*args, **kwargs)
+            finally:
+                session.rng = gen.get_state()
+                gen.set_state(outside)
+                if stream is not None and len(self.lanes) > 1:
+                    self._rng_done = session.lane.done()
 
     def _check_lane(self, lane: Lane) -> None:
         """The lane's carries still hold its resident session (nobody called its step outside)."""

@@ -186,10 +186,16 @@ def test_bad_lane_counts_and_placements_are_refused(model):
         pool.open(None, lane=2)
 
 
-async def _serve(pool, scripts, seed, lanes=False):
+async def _serve(pool, scripts, seed, lanes=False, threads=False, queued_on=None):
     """Poisson arrivals; each conversation submits its calls one after the other. Returns the
-    report and outputs (and with ``lanes`` each conversation's lane)."""
-    sched = Scheduler(pool, period_ms=5000.0, poll_ms=0.1)
+    report and outputs (and with ``lanes`` each conversation's lane). ``queued_on``: a set that
+    collects the names of the threads the chunks were queued from."""
+    def run(sid, *args, **kwargs):
+        if queued_on is not None:
+            queued_on.add(threading.current_thread().name.split("_")[0])
+        return pool.step(sid, *args, **kwargs)
+
+    sched = Scheduler(pool, period_ms=5000.0, poll_ms=0.1, threads=threads, run=run)
     g = random.Random(seed)
     outs, homes = [[] for _ in scripts], [None] * len(scripts)
 
@@ -213,11 +219,14 @@ async def _serve(pool, scripts, seed, lanes=False):
     return (sched.report(), outs, homes) if lanes else (sched.report(), outs)
 
 
-def test_scheduler_serves_a_random_workload_exactly(model):
+@pytest.mark.parametrize("threads", [False, True], ids=["loop-thread", "lane-threads"])
+def test_scheduler_serves_a_random_workload_exactly(model, threads):
     pool = _pool(model, lanes=2)
     g = random.Random(7)
     scripts = [_script(20 + s, g.randint(1, 5), reset_at=g.choice([None, 1])) for s in range(8)]
-    report, outs = asyncio.run(_serve(pool, scripts, seed=7))
+    queued_on = set()
+    report, outs = asyncio.run(_serve(pool, scripts, seed=7, threads=threads, queued_on=queued_on))
+    assert queued_on == ({"cadence-lane0", "cadence-lane1"} if threads else {"MainThread"})
     for script, out in zip(scripts, outs):
         assert _exact([o.cpu() for o in out], _alone(model, script))
     assert report["chunks"] == sum(len(s) for s in scripts)
@@ -327,3 +336,49 @@ def test_lane_and_capture_streams_are_never_shared_when_torchs_pool_wraps():
     more = [cudagraphs.private_stream() for _ in range(2)]
     handles = [s.cuda_stream for s in held + more]
     assert len(set(handles)) == len(handles)
+
+
+def test_lane_threads_keep_each_sessions_draws_its_own():
+    """A step drawing randomness, its chunks queued from the lanes' own threads: each session
+    still equals itself run alone from its seed (the pool swaps generator states under one
+    process lock, so two lane threads never draw from each other's state)."""
+    from cadence_fx.models.toy import NOISY_ADAPTER, NoisySourceToy
+    model = NoisySourceToy()
+    g = torch.Generator().manual_seed(2)
+    xs = [[torch.randn(1, 16, 8, generator=g) for _ in range(5)] for _ in range(4)]
+    zero = torch.zeros(1, 16, 2)
+
+    def alone(s):
+        outs, cache = [], zero
+        torch.manual_seed(100 + s)
+        for x in xs[s]:
+            with torch.inference_mode():
+                y, cache = model(x, cache)
+            outs.append(y.clone())
+        return outs
+
+    refs = [alone(s) for s in range(4)]
+    pool = cadence_fx.SessionPool(cadence_fx.compile(model, NOISY_ADAPTER), lanes=2)
+    queued_on = set()
+
+    def run(sid, x):
+        queued_on.add(threading.current_thread().name.split("_")[0])
+        return pool.step(sid, x)
+
+    async def serve():
+        sched = Scheduler(pool, period_ms=60_000.0, poll_ms=0.1, threads=True, run=run)
+        ids = [sched.open(zero, seed=100 + s) for s in range(4)]
+
+        async def conversation(s):
+            return [(await sched.submit(ids[s], x))[0].clone() for x in xs[s]]
+
+        outs = await asyncio.gather(*(conversation(s) for s in range(4)))
+        await sched.stop()
+        return outs
+
+    outs = asyncio.run(serve())
+    for s in range(4):
+        assert [torch.equal(a, b) for a, b in zip(refs[s], outs[s])] == [True] * 5
+    assert queued_on == {"cadence-lane0", "cadence-lane1"}
+    steps = [lane.compiled.counters for lane in pool.lanes]
+    assert sum(k.compiled_calls for k in steps) == 20 and sum(k.fallbacks for k in steps) == 0
