@@ -1,15 +1,19 @@
 """Token2Wav sessions through Ray Serve on the GPU against the same session pool in-process.
 
     python bench/serve.py --out bench/results/DATE-h200-serve.json [--ns 4,8,10,12,14]
-        [--rounds 6] [--gpus 1|2] [--lanes L] [--cache-dir DIR]
+        [--rounds 6] [--gpus 1|2] [--lanes L] [--clients session|lane] [--cache-dir DIR]
     python bench/serve.py --out /tmp/serve.json --model toy --device cpu --ns 2 --rounds 2   # harness
 
 Both paths serve N Token2Wav sessions (flow + HiFT, the real configuration on CUDA, every session
 its own seed) round-robin, one chunk each per round: in-process through ``PoolEngine`` (the
 replica's own engine, ``--lanes`` lanes: one thread per lane takes that lane's sessions in turn,
 so lanes overlap as in a replica), and through the application (``build_app``, one replica per
-GPU, ``--lanes`` lanes each) over the WebSocket on loopback, ``--lanes`` client threads per
-replica each taking a share of its sessions in turn. N is
+GPU, ``--lanes`` lanes each) over the WebSocket on loopback. With ``--clients session`` (the
+default) every session sends its chunks from a thread and connection of its own on both paths,
+as conversations do, so one chunk's transport overlaps other chunks' device work; with
+``--clients lane`` one thread per lane (per replica lane through Ray) sends its sessions' chunks
+in turn. Through Ray each row also reports ``transport_ms`` p50/p99: a chunk's round trip less
+the replica's own time for it (the reply's ``ms``). N is
 real-time when every round, the slowest included, ends within ``--budget-ms`` (900 ms of the
 1 s a chunk carries). Per N and path: chunk p50/p99 (the client's round trip through Ray), the
 slowest round, real-time or not. Per row ``all_bit_exact``: every chunk of every session served
@@ -69,13 +73,16 @@ def rounds_of(groups, rounds, chunk):
     return chunk_ms, round_ms
 
 
-def inprocess(engine, model, n, rounds):
-    """N sessions on the engine, one thread per lane; per-chunk ms (a chunk returns once its
-    outputs are on the host) and every output."""
+def inprocess(engine, model, n, rounds, clients="lane"):
+    """N sessions on the engine, one thread per lane (``clients="session"``: per session); per-chunk
+    ms (a chunk returns once its outputs are on the host) and every output."""
     ids = [engine.open(seed=1000 + s) for s in range(n)]
     outs = [[] for _ in range(n)]
-    groups = [[(s, sid) for s, sid in enumerate(ids) if engine.lane_of(sid) == lane]
-              for lane in range(engine.lanes)]
+    if clients == "session":
+        groups = [[(s, sid)] for s, sid in enumerate(ids)]
+    else:
+        groups = [[(s, sid) for s, sid in enumerate(ids) if engine.lane_of(sid) == lane]
+                  for lane in range(engine.lanes)]
 
     def chunk(member, r):
         s, sid = member
@@ -87,27 +94,39 @@ def inprocess(engine, model, n, rounds):
     return summary(chunk_ms, round_ms, n), outs
 
 
-def through_ray(url, model, n, rounds, lanes):
+def through_ray(url, model, n, rounds, lanes, clients="lane"):
     """N sessions over the WebSocket, ``lanes`` client threads per replica, each round-robin
-    over its share of the replica's sessions; round time is the slowest thread's."""
+    over its share of the replica's sessions (``clients="session"``: a thread per session, each
+    on its connection); round time is the slowest thread's."""
     from cadence_fx.serve import StreamClient
     by_replica, sessions = {}, []
     for s in range(n):
         sess = StreamClient(url).open(seed=1000 + s)
         by_replica.setdefault(sess.replica, []).append((s, sess))
         sessions.append(sess)
-    groups = [members[i::lanes] for members in by_replica.values() for i in range(lanes)]
+    if clients == "session":
+        groups = [[member] for members in by_replica.values() for member in members]
+    else:
+        groups = [members[i::lanes] for members in by_replica.values() for i in range(lanes)]
     outs = [[] for _ in range(n)]
+
+    transport_ms = []
 
     def chunk(member, r):
         s, sess = member
-        outs[s].append(sess.chunk(last=r == rounds - 1, **model.example(1000 + s, r)))
+        inputs = model.example(1000 + s, r)
+        start = time.perf_counter()
+        outs[s].append(sess.chunk(last=r == rounds - 1, **inputs))
+        transport_ms.append((time.perf_counter() - start) * 1e3 - sess.last_reply["ms"])
 
     chunk_ms, round_ms = rounds_of([g for g in groups if g], rounds, chunk)
     for sess in sessions:
         sess.close()
         sess.client.close()
-    return summary(chunk_ms, round_ms, n), outs
+    row = summary(chunk_ms, round_ms, n)
+    row["transport_ms_p50"] = statistics.median(transport_ms)
+    row["transport_ms_p99"] = pct(transport_ms, 0.99)
+    return row, outs
 
 
 def exact(a, b):
@@ -143,6 +162,10 @@ def main():
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--model", default="token2wav", help="toy: the harness check on the CPU")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--clients", choices=["lane", "session"], default="session",
+                    help="session: every session sends from a thread (and connection) of its own, "
+                         "as conversations do, on both paths; lane: one thread per lane sends "
+                         "its sessions' chunks in turn (a chunk's transport then delays the next)")
     args = ap.parse_args()
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="cfx-serve-")
     model = build(args.model, args.device, cache_dir)
@@ -154,10 +177,10 @@ def main():
     rows = []
     for n in ns:   # the result is written after every row: a run cut short keeps what it measured
         before = engine.counters()
-        local, local_outs = inprocess(engine, model, n, args.rounds)
+        local, local_outs = inprocess(engine, model, n, args.rounds, args.clients)
         # what the in-process row ran: compiled calls and replays, and any fallback to stock
         local["counters"] = {k: v - before[k] for k, v in engine.counters().items()}
-        remote, remote_outs = through_ray(url, model, n, args.rounds, args.lanes)
+        remote, remote_outs = through_ray(url, model, n, args.rounds, args.lanes, args.clients)
         rows.append({"sessions": n, "inprocess": local, "ray": remote, "gpus": args.gpus,
                      "lanes": args.lanes,
                      "all_bit_exact": exact(local_outs, remote_outs)})
@@ -171,7 +194,7 @@ def result_of(rows, args, warm):
     at = next((r for r in rows if r["sessions"] == best_local), rows[0])
     return {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
             "commit": os.environ.get("CADENCE_COMMIT", "unknown"), "gpus": args.gpus,
-            "lanes": args.lanes,
+            "lanes": args.lanes, "clients": args.clients,
             "rounds": args.rounds, "budget_ms": BUDGET_MS, "warm": warm, "rows": rows,
             "inprocess_realtime_sessions": best_local, "ray_realtime_sessions": best_ray,
             "ray_vs_inprocess_sessions": best_ray / best_local if best_local else None,
