@@ -104,6 +104,11 @@ def through_ray(url, model, n, rounds, lanes, clients="lane"):
         sess = StreamClient(url).open(seed=1000 + s)
         by_replica.setdefault(sess.replica, []).append((s, sess))
         sessions.append(sess)
+    ping_ms = []   # a stats request's round trip: the path without a chunk's work or payload
+    for _ in range(20):
+        start = time.perf_counter()
+        sessions[0].stats()
+        ping_ms.append((time.perf_counter() - start) * 1e3)
     if clients == "session":
         groups = [[member] for members in by_replica.values() for member in members]
     else:
@@ -126,6 +131,7 @@ def through_ray(url, model, n, rounds, lanes, clients="lane"):
     row = summary(chunk_ms, round_ms, n)
     row["transport_ms_p50"] = statistics.median(transport_ms)
     row["transport_ms_p99"] = pct(transport_ms, 0.99)
+    row["ping_ms_p50"] = statistics.median(ping_ms[5:])
     return row, outs
 
 
@@ -138,6 +144,8 @@ def start_ray(name, gpus, cache_dir, port, lanes):
     import ray
     from ray import serve
     from cadence_fx.serve import build_app
+    from cadence_fx.serve.launch import inline_replies
+    inline_replies()   # a Token2Wav reply (112 KB) handed over inline, not through the store
     ray.init(num_gpus=gpus, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(name, max(gpus, 1), cache_dir=cache_dir, num_gpus=1 if gpus else 0,

@@ -2,6 +2,8 @@
 malformed; the engine (the replica's seam to its SessionPools) keeps interleaved sessions exact
 against each one run alone on the stock step, across a turn reset, a partial flush and a longer
 last call; a second engine on the same compile cache traces nothing."""
+import os
+
 import pytest
 import torch
 
@@ -108,3 +110,15 @@ def test_lanes_and_threads_keep_every_session_exact(toy_cache):
     for sid in ids:
         engine.close(sid)
     assert engine.live == 0
+
+
+def test_a_started_cluster_hands_replies_over_inline_unless_told_otherwise(monkeypatch):
+    """``cadence-fx serve`` raises Ray's inline-result limit above a Token2Wav reply (112 KB) for
+    the cluster it starts, and keeps a limit the user set."""
+    from cadence_fx.serve.launch import INLINE_REPLY_BYTES, inline_replies
+    monkeypatch.delenv("RAY_max_direct_call_object_size", raising=False)
+    inline_replies()
+    assert int(os.environ["RAY_max_direct_call_object_size"]) == INLINE_REPLY_BYTES > 112_000
+    monkeypatch.setenv("RAY_max_direct_call_object_size", "50000")
+    inline_replies()
+    assert os.environ["RAY_max_direct_call_object_size"] == "50000"

@@ -9,12 +9,27 @@ seconds) Serve shuts down.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
 import urllib.request
 
-__all__ = ["serve_locally"]
+__all__ = ["serve_locally", "inline_replies"]
+
+# Ray hands a task's result over inline when it is at most this size, and through the shared-memory
+# object store above it (default 100 KiB). A Token2Wav chunk's reply is 112 KB (its mel and PCM):
+# through the store, a Serve handle call returning 112 KB took 5.5 ms p50 against 3.4 ms for 8 KB
+# on a 2-core machine, the same 3.4 ms once the limit was raised.
+INLINE_REPLY_BYTES = 1 << 20
+
+
+def inline_replies() -> None:
+    """Raise Ray's inline-result limit to ``INLINE_REPLY_BYTES`` for a cluster this process starts
+    (Ray reads ``RAY_max_direct_call_object_size`` when its processes start, and they inherit this
+    environment); a value already set is kept. A cluster joined with ``--address`` keeps its own:
+    start it with the variable set."""
+    os.environ.setdefault("RAY_max_direct_call_object_size", str(INLINE_REPLY_BYTES))
 
 
 def _live(url: str) -> int:
@@ -35,6 +50,8 @@ def serve_locally(args) -> int:
     from ray import serve
     from cadence_fx.compile_cache import default_dir
     from .gateway import build_app
+    if args.address is None:
+        inline_replies()
     ray.init(address=args.address, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     kw = dict(cache_dir=str(args.cache_dir or default_dir()), num_gpus=args.gpus,
