@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call:  bash bench/device.sh  (writes under $OUT)
 # Steps: all (tests, demo, bench) | tests | demo | moshi | chunk | bench | suite | cold | sessions |
-# reliability | mutation | mutation-cpu | timeline | warm,
+# lanes | moshi-lanes | reliability | mutation | mutation-cpu | timeline | warm,
 # or par "<steps for GPU 0>" "<steps for GPU 1>" ... (each under PAR_LIMIT seconds, default 540).
 # BENCH_ARGS passes arguments to the step's script; '+' separates them (BENCH_ARGS=--ns=1,2+--rounds=4).
 # Needs the model wheels in .whl/, carried along:
@@ -41,7 +41,8 @@ if [[ $STEP == par ]]; then
   exit 0
 fi
 if [[ $STEP == all || $STEP == tests ]]; then
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m pytest -m gpu tests -v -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt"
+  # -rfE names every failed test and error at the end (the log is long)
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 -m pytest -m gpu tests -v -rfE -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt"
 fi
 if [[ $STEP == all || $STEP == demo ]]; then
   for model in token2wav freeze-omni toy; do
@@ -99,6 +100,19 @@ if [[ $STEP == sessions ]]; then
   # BENCH_ARGS=--churn+--ns=1,2,4,8,12,14,16: the churn mode instead (speakers arrive every 3 rounds,
   # each primed inline with its own prompt; about 6 minutes at depth 16); results under "churn"
   python3 bench/sessions.py --out "$OUT/sessions.json" ${BENCH_ARGS//+/ } > "$OUT/sessions.out" 2>&1; echo "sessions rc $?"; tail -20 "$OUT/sessions.out"
+fi
+if [[ $STEP == lanes ]]; then
+  # Token2Wav conversations per GPU with lanes, compiled priming and the deadline scheduler
+  # (bench/sessions_lanes.py; BENCH_ARGS=--lanes=1,3+--ns=16,24+--threads+--host-profile)
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 bench/sessions_lanes.py \
+    --out "$OUT/$(date +%F)-h200-sessions-lanes.json" ${BENCH_ARGS//+/ } > "$OUT/lanes.log" 2>&1
+  echo "lanes rc $?"; grep -E '^\{"(prepare_s|lane_concurrency|host_profile|lanes)' "$OUT/lanes.log" | cut -c1-600
+fi
+if [[ $STEP == moshi-lanes ]]; then
+  # Moshi conversations per GPU: batched frames per lane (bench/moshi_lanes.py)
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 bench/moshi_lanes.py \
+    --out "$OUT/$(date +%F)-h200-moshi-lanes.json" ${BENCH_ARGS//+/ } > "$OUT/moshi-lanes.log" 2>&1
+  echo "moshi-lanes rc $?"; tail -20 "$OUT/moshi-lanes.log" | cut -c1-600
 fi
 if [[ $STEP == mutation ]]; then
   # mutation testing of cudagraphs.py (bench/mutation_gpu.py); mutmut and its dependencies travel as
