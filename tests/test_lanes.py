@@ -240,10 +240,11 @@ def _flush_script(seed):
     return _script(seed, 3) + [("chunk", chunks([5], seed=2000 + seed)[0].to(DEVICE))]
 
 
-def test_the_scheduler_counts_classes_compiled_in_traffic_and_warm_lanes_prepares_them(model):
+@pytest.mark.parametrize("threads", [False, True], ids=["loop-thread", "lane-threads"])
+def test_the_scheduler_counts_classes_compiled_in_traffic_and_warm_lanes_prepares_them(model, threads):
     scripts = [_flush_script(60 + s) for s in range(4)]
     cold = _pool(model, lanes=2)
-    report, outs = asyncio.run(_serve(cold, scripts, seed=5))
+    report, outs = asyncio.run(_serve(cold, scripts, seed=5, threads=threads))
     assert not _mismatches([0] * 4, scripts, [[o.cpu() for o in out] for out in outs], model, "cold")
     assert report["compiles"] == 2 == cold.compiles   # the flush's class, once on each lane
     assert sorted(c["lane"] for c in report["compile_chunks"]) == [0, 1]
@@ -259,7 +260,7 @@ def test_the_scheduler_counts_classes_compiled_in_traffic_and_warm_lanes_prepare
     warmed = warm_lanes([warm], stream)
     assert [(w["lane"], w["compiled"], w["stock"]) for w in warmed] == [(0, 1, {}), (1, 1, {})]
     assert all(lane.compiled.counters.calls == 0 for lane in warm.lanes)   # not traffic
-    report, outs = asyncio.run(_serve(warm, scripts, seed=5))
+    report, outs = asyncio.run(_serve(warm, scripts, seed=5, threads=threads))
     assert not _mismatches([0] * 4, scripts, [[o.cpu() for o in out] for out in outs], model, "warm")
     assert report["compiles"] == 0 == warm.compiles and report["compile_chunks"] == []
     assert sum(lane.compiled.counters.fallbacks for lane in warm.lanes) == 0
