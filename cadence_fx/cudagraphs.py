@@ -197,7 +197,7 @@ class CudaGraphBackend:
         work on this stream, so nothing of theirs can enter the graph (Inductor's CUDA graph
         trees capture the same way)."""
         graph, rng = torch.cuda.CUDAGraph(), RngSnapshot()
-        with DEVICE_RNG:
+        with GLOBAL_STATE.exclusive():
             try:
                 with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool,
                                                        stream=self._stream(),
@@ -261,15 +261,79 @@ def private_stream() -> torch.cuda.Stream:
         "(step.close(), and drop them), or serve with fewer lanes")
 
 
-# One capture at a time in the process, and no pooled draw from the device's default generator
-# during one: every capture puts that generator in capture mode (torch registers it with each
-# graph), and the mode is one flag of the generator, not of the thread, so two threads capturing
-# at once would each end the other's, and a replay drawing from it in another thread fails
-# ("Offset increment outside graph capture"). ``SessionPool`` holds it while a session's own
-# generator state is swapped in (its chunk draws), so lanes queued from threads of their own
-# (``Scheduler(threads=True)``) neither race on the generator nor draw during a capture.
-# Reentrant: a chunk that draws may meet a class it captures.
-DEVICE_RNG = threading.RLock()
+class SharedExclusive:
+    """A lock held shared by many threads or exclusively by one, reentrant in both modes. A thread
+    that holds it shared and asks for it exclusively gives its shared holds back while it waits
+    and takes them again after (it has run nothing yet that needs them: a class compiles before
+    it runs). Exclusive waiters go first, so a steady stream of shared holders cannot starve a
+    compile."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._shared: dict = {}       # thread id -> shared holds
+        self._owner: Optional[int] = None
+        self._depth = 0               # the owner's exclusive holds
+        self._waiting = 0             # threads waiting to hold it exclusively
+
+    @contextlib.contextmanager
+    def shared(self):
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner != me:     # an exclusive owner runs its own shared work inside
+                while (self._owner is not None or self._waiting) and me not in self._shared:
+                    self._cond.wait()
+            self._shared[me] = self._shared.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared[me] -= 1
+                if not self._shared[me]:
+                    del self._shared[me]
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        me = threading.get_ident()
+        with self._cond:
+            held = 0
+            if self._owner != me:
+                held = self._shared.pop(me, 0)   # given back while this thread waits
+                self._waiting += 1
+                while self._owner is not None or self._shared:
+                    self._cond.wait()
+                self._waiting -= 1
+                self._owner = me
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._depth -= 1
+                if not self._depth:
+                    self._owner = None
+                    if held:
+                        self._shared[me] = held
+                    self._cond.notify_all()
+
+
+# What torch keeps for the process, not the thread. A class compile and a capture change it and
+# hold this alone; whatever runs the module itself (a call that runs the stock step, a pool's
+# drawing chunk, the serve engine's start states) holds it shared. Replays of captured graphs
+# and eager pieces need neither: they read the tensors they were built with.
+# - A class compile traces with ``functional_call``, which swaps the module's parameters for fake
+#   tensors while it traces: another thread running the module then computes on fakes (a serve
+#   engine's start state, run while another lane compiled, failed in FakeTensorMode). Its
+#   probationary stock call rewinds the generators it drew from, which would undo another
+#   thread's draws.
+# - A capture puts the device's default generator in capture mode (torch registers it with each
+#   graph), one flag of the generator: two threads capturing at once would each end the other's,
+#   and a draw from it in another thread fails ("Offset increment outside graph capture").
+# A thread holding it shared that compiles or captures gives its hold back while it waits (a
+# class compiles before it runs). Code outside cadence_fx that runs the same module in another
+# thread while a class may compile (a background priming compile, traffic on other lanes) must
+# hold it shared too: ``with GLOBAL_STATE.shared(): module(...)``.
+GLOBAL_STATE = SharedExclusive()
 
 
 def _out_of_capture(stream: torch.cuda.Stream) -> None:

@@ -38,6 +38,7 @@ from .config import CompileConfig
 from .passes.context import Carry
 from .contract import Adapter
 from .counters import Counters
+from .cudagraphs import GLOBAL_STATE
 from .envelopes import Envelopes
 from .errors import GuardError
 from .module_tensors import ModuleTensors
@@ -115,7 +116,10 @@ class CompiledStep:
             self.auditor.call_index = self.counters.calls
             entry, by_path, reason = self.select(args, kwargs)
             if reason is not None:   # (an entry with a reason: this call's state, not the class)
-                return self._eager(reason, args, kwargs, priming=_priming.is_priming(self, by_path))
+                # the module itself runs: never while a class of it compiles or a graph captures
+                with GLOBAL_STATE.shared():
+                    return self._eager(reason, args, kwargs,
+                                       priming=_priming.is_priming(self, by_path))
             return self.run(entry, by_path)
 
     def select(self, args, kwargs, donate: Optional[bool] = None):

@@ -32,17 +32,20 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
 
-from .cudagraphs import DEVICE_RNG
+from .cudagraphs import GLOBAL_STATE
 from .errors import ContractError, GuardError
 from .lanes import Lane, make_lanes
 
 __all__ = ["SessionPool", "warm_lanes"]
+
+_DRAWS = threading.RLock()   # one pooled draw at a time: sessions swap the process's generator
 
 
 def _locate(tree: Any, path: str) -> Optional[Tuple[Any, Any]]:
@@ -195,9 +198,11 @@ class SessionPool:
         if session.rng is None:
             return session.lane.compiled(*args, **kwargs)
         gen, stream = self._generator, session.lane.stream
-        # one generator for the process: one such chunk queued at a time. The lane's step lock
-        # first, as a capture takes them (a priming class compiling in the background holds it)
-        with session.lane.compiled.lock, DEVICE_RNG:
+        # one generator for the process: one such chunk queued at a time (_DRAWS), and none while
+        # a class compiles or a graph captures (GLOBAL_STATE, shared). The lane's step lock
+        # first, then _DRAWS, then GLOBAL_STATE: a compile inside the call gives the shared hold
+        # back while it waits, and no thread waits for _DRAWS holding it
+        with session.lane.compiled.lock, _DRAWS, GLOBAL_STATE.shared():
             if stream is not None and self._rng_done is not None and len(self.lanes) > 1:
                 stream.wait_event(self._rng_done)
             outside = gen.get_state()

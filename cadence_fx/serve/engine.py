@@ -6,17 +6,21 @@ The replica calls only ``open``, ``chunk``, ``reset``, ``close``, ``live``, ``wa
 step ran stock), which is all the replica's metrics read.
 
 Threads. Every method may be called from several threads at once (the replica runs each request
-in a worker thread). One lock covers all device work: a session's start state, a chunk's steps
-and its outputs' copies to the host are queued with that lock held (so no other thread launches
-work while a lane captures a graph). A session lives on
-one lane of every pool (the lane with the fewest sessions when it opens), and a lane runs one
-chunk at a time: a chunk waits for the previous chunk of its lane to be done before it is
-queued, so a chunk's tensors are never reused by the next one while the device still reads
-them. On CUDA (``SessionPool(..., lanes=L)`` queues each lane's work on its own stream and
-returns), a chunk then waits for its own completion with the lock released, so chunks of other
-lanes are queued and run meanwhile; a chunk spanning several pools (Token2Wav's flow, then HiFT)
-runs under its first pool's lane stream, which every later pool's lane waits for. On the CPU a
-step returns when it is done, so chunks run one at a time whatever the lanes.
+in a worker thread). Opening, resetting and closing sessions hold one engine lock. A session
+lives on one lane of every pool (the lane with the fewest sessions when it opens), and a lane
+runs one chunk at a time under its own lock: a chunk waits for the previous chunk of its lane to
+be done before it is queued, so a chunk's tensors are never reused by the next one while the
+device still reads them. Chunks of different lanes are queued from their threads at once: the
+queuing of one (which can wait for room in the driver's launch queue) holds no other lane.
+What runs the module itself (the start states, the stock step run eagerly; a call that falls
+back to stock; a drawing chunk) holds the process-wide ``cudagraphs.GLOBAL_STATE`` shared, and a
+class compile or a capture holds it alone, so nothing computes on the module while a class of it
+traces (which swaps fake tensors into the module); drawing chunks take turns on the generator
+(``sessions.py``). Replays need neither. On
+CUDA (``SessionPool(..., lanes=L)`` queues each lane's work on its own stream and returns), a
+chunk then waits for its own completion, so chunks of other lanes are queued and run meanwhile;
+a chunk spanning several pools (Token2Wav's flow, then HiFT) runs under its first pool's lane
+stream, which every later pool's lane waits for. On the CPU a step returns when it is done.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from cadence_fx.cudagraphs import GLOBAL_STATE
 from cadence_fx.sessions import SessionPool
 
 from .models import ServedModel, Tensors
@@ -61,7 +66,8 @@ class PoolEngine:
     def open(self, prompt: Optional[Tensors] = None, seed: Optional[int] = None,
              lane: Optional[int] = None) -> int:
         """A new session on ``lane`` (default: the lane with the fewest sessions)."""
-        with self._lock:   # the start state is device work too: one thread at a time
+        # the start state is the stock step run eagerly: never while a class of it compiles
+        with self._lock, GLOBAL_STATE.shared():
             states = self.model.start(prompt or {})
             if lane is None:
                 lane = min(self._first.lanes, key=lambda x: (x.sessions, x.index)).index
@@ -73,7 +79,7 @@ class PoolEngine:
 
     def reset(self, sid: int) -> None:
         """Turn boundary: the session starts again from its prompt."""
-        with self._lock:
+        with self._lock, GLOBAL_STATE.shared():
             ids = self._get(sid)
             states = self.model.start(self._prompts[sid])
             for n, pid in ids.items():
@@ -91,15 +97,19 @@ class PoolEngine:
 
     def chunk(self, sid: int, inputs: Tensors, last: bool = False) -> Tuple[Tensors, ChunkRecord]:
         start = time.perf_counter()
-        with self._lane_locks[self.lane_of(sid)]:   # one chunk in flight per lane
-            with self._lock:
-                ids = self._get(sid)
-                before = self._total("fallbacks")
-                outputs, done = self._queue(ids, inputs, last)
-                fallbacks = self._total("fallbacks") - before
+        with self._lock:
+            ids, lane = self._get(sid), self.lane_of(sid)
+        with self._lane_locks[lane]:   # one chunk in flight per lane
+            before = self._lane_fallbacks(lane)
+            outputs, done = self._queue(ids, inputs, last)
+            fallbacks = self._lane_fallbacks(lane) - before
             if done is not None:
                 done.synchronize()   # this thread only; other lanes go on
         return outputs, ChunkRecord((time.perf_counter() - start) * 1e3, fallbacks)
+
+    def _lane_fallbacks(self, lane: int) -> int:
+        """Stock calls so far of lane ``lane``'s steps (only its chunks move them)."""
+        return sum(p.lanes[lane].compiled.counters.fallbacks for p in self.pools.values())
 
     def _queue(self, ids: Dict[str, int], inputs: Tensors, last: bool):
         """Queue one chunk's steps and its outputs' copies to the host: ``(outputs, event)``,

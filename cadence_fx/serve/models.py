@@ -19,6 +19,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from cadence_fx.cudagraphs import GLOBAL_STATE
+
 __all__ = ["ServedModel", "StockSession", "build", "MODELS"]
 
 Tensors = Dict[str, torch.Tensor]
@@ -53,13 +55,16 @@ class StockSession:
         self.slots = {n: (p.state_arg, p.state_out) for n, p in pools.items()}
         self.rng = {n: _seeded(cs, seed) for n, cs in model.compiled.items()
                     if seed is not None and cs.adapter.effects.device_rng}
-        self.states = model.start(self.prompt)
+        self.reset()
 
+    # the stock steps are the compiled steps' modules: never run while a class of them compiles
+    # (``cudagraphs.GLOBAL_STATE``), e.g. a served session's in another thread
     def reset(self) -> None:
-        self.states = self.model.start(self.prompt)
+        with GLOBAL_STATE.shared():
+            self.states = self.model.start(self.prompt)
 
     def chunk(self, inputs: Tensors, last: bool = False) -> Tensors:
-        with torch.inference_mode():
+        with torch.inference_mode(), GLOBAL_STATE.shared():
             return self.model.chunk(self._run, inputs, last)
 
     def _run(self, name, *args, **kwargs):
