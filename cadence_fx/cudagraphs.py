@@ -300,9 +300,16 @@ class SharedExclusive:
             if self._owner != me:
                 held = self._shared.pop(me, 0)   # given back while this thread waits
                 self._waiting += 1
-                while self._owner is not None or self._shared:
-                    self._cond.wait()
-                self._waiting -= 1
+                try:
+                    while self._owner is not None or self._shared:
+                        self._cond.wait()
+                except BaseException:   # interrupted while waiting: as it was
+                    if held:
+                        self._shared[me] = held
+                    raise
+                finally:
+                    self._waiting -= 1
+                    self._cond.notify_all()
                 self._owner = me
             self._depth += 1
         try:
