@@ -6,9 +6,9 @@ The replica calls only ``open``, ``chunk``, ``reset``, ``close``, ``live``, ``wa
 step ran stock), which is all the replica's metrics read.
 
 Threads. Every method may be called from several threads at once (the replica runs each request
-in a worker thread). Opening, resetting and closing sessions hold one engine lock. A session
-lives on one lane of every pool (the lane with the fewest sessions when it opens), and a lane
-runs one chunk at a time under its own lock: a chunk waits for the previous chunk of its lane to
+in a worker thread). Opening, resetting and closing sessions hold one engine lock (resetting
+and closing their lane's lock first). A session lives on one lane of every pool (the lane with
+the fewest sessions when it opens), and a lane runs one chunk at a time under its own lock: a chunk waits for the previous chunk of its lane to
 be done before it is queued, so a chunk's tensors are never reused by the next one while the
 device still reads them. Chunks of different lanes are queued from their threads at once: the
 queuing of one (which can wait for room in the driver's launch queue) holds no other lane.
@@ -78,15 +78,16 @@ class PoolEngine:
         return sid
 
     def reset(self, sid: int) -> None:
-        """Turn boundary: the session starts again from its prompt."""
-        with self._lock, GLOBAL_STATE.shared():
+        """Turn boundary: the session starts again from its prompt (after its lane's chunk in
+        flight: a pool's lane bookkeeping is its chunks' too)."""
+        with self._lane_locks[self.lane_of(sid)], self._lock, GLOBAL_STATE.shared():
             ids = self._get(sid)
             states = self.model.start(self._prompts[sid])
             for n, pid in ids.items():
                 self.pools[n].reset(pid, states[n])
 
     def close(self, sid: int) -> None:
-        with self._lock:
+        with self._lane_locks[self.lane_of(sid)], self._lock:
             for n, pid in self._get(sid).items():
                 self.pools[n].close(pid)
             del self._ids[sid], self._prompts[sid]
