@@ -6,20 +6,20 @@ The replica calls only ``open``, ``chunk``, ``reset``, ``close``, ``live``, ``wa
 step ran stock), which is all the replica's metrics read.
 
 Threads. Every method may be called from several threads at once (the replica runs each request
-in a worker thread). Opening, resetting and closing sessions hold one engine lock (resetting
-and closing their lane's lock first). A session lives on one lane of every pool (the lane with
-the fewest sessions when it opens), and a lane runs one chunk at a time under its own lock: a chunk waits for the previous chunk of its lane to
-be done before it is queued, so a chunk's tensors are never reused by the next one while the
-device still reads them. Chunks of different lanes are queued from their threads at once: the
-queuing of one (which can wait for room in the driver's launch queue) holds no other lane.
-What runs the module itself (the start states, the stock step run eagerly; a call that falls
-back to stock; a drawing chunk) holds the process-wide ``cudagraphs.GLOBAL_STATE`` shared, and a
-class compile or a capture holds it alone, so nothing computes on the module while a class of it
-traces (which swaps fake tensors into the module); drawing chunks take turns on the generator
-(``sessions.py``). Replays need neither. On
-CUDA (``SessionPool(..., lanes=L)`` queues each lane's work on its own stream and returns), a
-chunk then waits for its own completion, so chunks of other lanes are queued and run meanwhile;
-a chunk spanning several pools (Token2Wav's flow, then HiFT) runs under its first pool's lane
+in a worker thread). Opening, resetting and closing sessions hold one engine lock (resetting and
+closing their lane's lock first). A session lives on one lane of every pool (the lane with the
+fewest sessions when it opens), and a lane runs one chunk at a time under its own lock: a chunk
+waits for the previous chunk of its lane to be done before it is queued, so a chunk's tensors
+are never reused by the next one while the device still reads them. Chunks of different lanes
+are queued from their threads at once: the queuing of one (which can wait for room in the
+driver's launch queue) holds no other lane. What runs the module itself (the start states, the
+stock step run eagerly; a call that falls back to stock; a drawing chunk) holds the process-wide
+``cudagraphs.GLOBAL_STATE`` shared, and a class compile or a capture holds it alone, so nothing
+computes on the module while a class of it traces (which swaps fake tensors into the module);
+drawing chunks take turns on the generator (``sessions.py``). Replays need neither. On CUDA
+(``SessionPool(..., lanes=L)`` queues each lane's work on its own stream and returns), a chunk
+then waits for its own completion, so chunks of other lanes are queued and run meanwhile; a
+chunk spanning several pools (Token2Wav's flow, then HiFT) runs under its first pool's lane
 stream, which every later pool's lane waits for. On the CPU a step returns when it is done.
 """
 from __future__ import annotations
