@@ -29,8 +29,10 @@ session's chunks in order, and steps that draw device randomness take turns
 (``SessionPool``).
 
 What the loop cannot avoid it reports: a class met for the first time in traffic compiles inside
-the dispatch, on the loop's thread, and every lane waits for it (``compiles`` and ``run_ms`` per
-chunk: prepare such classes before traffic with ``sessions.warm_lanes``). A lane whose step
+the dispatch, on the loop's thread, and every lane waits for it (with ``threads=True`` on the
+lane's thread: the other lanes' replays go on, their stock calls and drawing chunks wait,
+``cudagraphs.GLOBAL_STATE``); ``compiles`` and ``run_ms`` per chunk say so. Prepare such classes
+before traffic with ``sessions.warm_lanes``. A lane whose step
 compiles a priming class in the background takes no chunk until that is done (a chunk would wait
 for the step's lock inside the loop). A result may be read on any stream right after ``await``
 returns (before awaiting anything else): the lane's next chunk is dispatched after that.
