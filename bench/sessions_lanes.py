@@ -292,7 +292,7 @@ async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed, threads=
             await asyncio.sleep(max(0.0, start + i * period_s - time.perf_counter()))
             mel, pcm = await sched.submit(fid, "chunk", tok)
             outs.append((mel.cpu(), pcm.cpu()))
-        served.close(fid)
+        sched.on_lane(fid, served.close, fid)   # on its lane's thread with --threads
         results.append((speaker, outs))
 
     async def slot():

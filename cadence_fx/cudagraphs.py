@@ -196,8 +196,9 @@ class CudaGraphBackend:
         a capture in the serving thread would fail a background compile's. Other threads never
         work on this stream, so nothing of theirs can enter the graph (Inductor's CUDA graph
         trees capture the same way)."""
-        graph, rng = torch.cuda.CUDAGraph(), RngSnapshot()
+        graph = torch.cuda.CUDAGraph()
         with GLOBAL_STATE.exclusive():
+            rng = RngSnapshot()
             try:
                 with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool,
                                                        stream=self._stream(),
@@ -214,6 +215,10 @@ class CudaGraphBackend:
         """Run the piece once eagerly on a side stream with every generator watched, then put
         back the generators and everything it writes. Returns why it may not be captured.
         ``verify``: the run is for the piece's fused regions (counted in ``verifications``)."""
+        with GLOBAL_STATE.exclusive():   # it puts the generators back: no other draw meanwhile
+            return self._warm_up_alone(piece, args, verify)
+
+    def _warm_up_alone(self, piece, args, verify: bool) -> Optional[str]:
         written = [a for a, w in zip(args, piece.mutated) if w and isinstance(a, torch.Tensor)]
         written += mutated_attributes(piece.module)  # module state the warm-up must not advance
         state, rng = TensorSnapshot(written), RngSnapshot()
@@ -324,10 +329,12 @@ class SharedExclusive:
                     self._cond.notify_all()
 
 
-# What torch keeps for the process, not the thread. A class compile and a capture change it and
-# hold this alone; whatever runs the module itself (a call that runs the stock step, a pool's
-# drawing chunk, the serve engine's start states) holds it shared. Replays of captured graphs
-# and eager pieces need neither: they read the tensors they were built with.
+# What torch and the module keep for the process, not the thread. Held alone by whatever changes
+# it or runs the module itself: a class compile (and ``prepare`` around it), a capture and its
+# warm-up, a call that runs the stock step (the stock step writes the module's own buffers, which
+# every lane shares), the serve engine's start states. Held shared by a pool's drawing chunk, so
+# that none of those runs while it draws. Replays of captured graphs and eager pieces need
+# neither: they read the tensors they were built with (each lane has its own).
 # - A class compile traces with ``functional_call``, which swaps the module's parameters for fake
 #   tensors while it traces: another thread running the module then computes on fakes (a serve
 #   engine's start state, run while another lane compiled, failed in FakeTensorMode). Its
@@ -336,10 +343,10 @@ class SharedExclusive:
 # - A capture puts the device's default generator in capture mode (torch registers it with each
 #   graph), one flag of the generator: two threads capturing at once would each end the other's,
 #   and a draw from it in another thread fails ("Offset increment outside graph capture").
-# A thread holding it shared that compiles or captures gives its hold back while it waits (a
-# class compiles before it runs). Code outside cadence_fx that runs the same module in another
-# thread while a class may compile (a background priming compile, traffic on other lanes) must
-# hold it shared too: ``with GLOBAL_STATE.shared(): module(...)``.
+# A thread holding it shared that needs it alone gives its hold back while it waits (a class
+# compiles before it runs). Code outside cadence_fx that runs the same module in another thread
+# while cadence_fx may (a background priming compile, traffic on other lanes) must hold it too:
+# ``with GLOBAL_STATE.exclusive(): module(...)``.
 GLOBAL_STATE = SharedExclusive()
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import progress
+from .cudagraphs import GLOBAL_STATE
 from .effects import RngSnapshot, TensorSnapshot
 from .tracing import bind_arguments, leaves_with_paths
 
@@ -32,7 +33,14 @@ def prepare(cs, args, kwargs, work: Optional[Dict[str, int]] = None) -> bool:
     """Trace and capture the class of this call to the compiled step ``cs``, leaving every carry,
     buffer, argument, generator and counter as it was. Returns whether the class is compiled;
     ``work``, when given, gets the compile counters' increments (``WORK``) and ``graphs``, the
-    device graphs captured."""
+    device graphs captured. It holds ``cudagraphs.GLOBAL_STATE`` alone: it puts the generators
+    back at the end, which would undo another thread's draws meanwhile (a background priming
+    compile with traffic on other lanes)."""
+    with GLOBAL_STATE.exclusive():
+        return _prepare(cs, args, kwargs, work)
+
+
+def _prepare(cs, args, kwargs, work: Optional[Dict[str, int]]) -> bool:
     graphs = getattr(cs.backend, "captured", 0)
     snapshot = TensorSnapshot([c.tensor for c in cs.carries.values()]
                               + list(cs.tensors.private.values()))

@@ -16,6 +16,7 @@ the step knows of each class in ``class_store.py``, its options in ``config.py``
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import sys
@@ -98,6 +99,7 @@ class CompiledStep:
         # one call at a time: a priming class compiling in the background holds it too
         self.lock = threading.RLock()
         self.background = _priming.Background(self)
+        self._keeping = threading.local()   # keep_stock_results, per thread
 
     @property
     def classes(self):
@@ -116,11 +118,29 @@ class CompiledStep:
             self.auditor.call_index = self.counters.calls
             entry, by_path, reason = self.select(args, kwargs)
             if reason is not None:   # (an entry with a reason: this call's state, not the class)
-                # the module itself runs: never while a class of it compiles or a graph captures
-                with GLOBAL_STATE.shared():
-                    return self._eager(reason, args, kwargs,
-                                       priming=_priming.is_priming(self, by_path))
+                # the module itself runs and writes its own buffers, which every lane shares:
+                # alone in the process (``cudagraphs.GLOBAL_STATE``), and what it returns is
+                # copied while so, when the caller keeps it (a pool: ``keep_stock_results``)
+                with GLOBAL_STATE.exclusive():
+                    result = self._eager(reason, args, kwargs,
+                                         priming=_priming.is_priming(self, by_path))
+                    if getattr(self._keeping, "on", False):
+                        result = pytree.tree_map(
+                            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, result)
+                    return result
             return self.run(entry, by_path)
+
+    @contextlib.contextmanager
+    def keep_stock_results(self):
+        """Calls in this block (this thread's) that run the stock step return copies of what it
+        returned, made before another thread may run the module: a stock step may return views of
+        the module's own buffers, which the next stock call of any lane overwrites
+        (``SessionPool`` keeps a session's state so)."""
+        before, self._keeping.on = getattr(self._keeping, "on", False), True
+        try:
+            yield
+        finally:
+            self._keeping.on = before
 
     def select(self, args, kwargs, donate: Optional[bool] = None):
         """The call's first half: admission, absorption into the carries, and the class entry

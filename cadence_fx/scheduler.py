@@ -45,12 +45,15 @@ import concurrent.futures
 import dataclasses
 import heapq
 import itertools
+import logging
 import time
 from typing import Callable, Deque, Dict, List, Optional
 
 import torch
 
 __all__ = ["Scheduler", "ChunkRecord"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -131,10 +134,31 @@ class Scheduler:
         return self.pool.open(state, **kwargs)
 
     def close(self, sid: int) -> None:
-        """Close a session; chunks of it still queued are cancelled."""
+        """Close a session; chunks of it still queued are cancelled. With lane threads the pool
+        closes it on its lane's thread, after the chunk in flight there (a pool's lane
+        bookkeeping is its chunks' too)."""
         for chunk in self._queues.pop(sid, ()):
             chunk.future.cancel()
-        self.pool.close(sid)
+        self.on_lane(sid, self.pool.close, sid)
+
+    def reset(self, sid: int, state=None) -> None:
+        """Turn boundary, ``pool.reset(sid, state)``: call it through the scheduler once the
+        session's last chunk is awaited (with lane threads it runs on the session's lane thread,
+        after the chunk in flight there and before the lane's next)."""
+        self.on_lane(sid, self.pool.reset, sid, state)
+
+    def on_lane(self, sid: int, fn: Callable, *args) -> None:
+        """``fn(*args)`` where it cannot race the session's lane: with lane threads on that
+        lane's thread, after the chunk in flight there and before the lane's next (not awaited;
+        a failure is logged), else at once. For what changes a pool's sessions beside
+        ``close``/``reset``, e.g. closing a session in every pool a chunk spans."""
+        lane = self._lane(sid)   # an unknown session fails here, in the caller
+        if lane not in self._lane_threads:
+            fn(*args)
+            return
+        done = self._lane_threads[lane].submit(fn, *args)
+        done.add_done_callback(lambda f: f.exception() and log.error(
+            "%s of session %s failed on lane %s: %r", fn.__name__, sid, lane, f.exception()))
 
     def submit(self, sid: int, *args, deadline: Optional[float] = None, **kwargs) -> asyncio.Future:
         """Queue one chunk of session ``sid`` (the pool step's arguments); await the returned
@@ -225,7 +249,8 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 - the caller awaiting this chunk gets it
                     del self._in_flight[lane]
                     flight.chunk.record.completed = self.clock()
-                    flight.chunk.future.set_exception(e)
+                    if not flight.chunk.future.done():   # (its caller may have given up)
+                        flight.chunk.future.set_exception(e)
                     continue
             if flight.event is not None and not flight.event.query():
                 continue
@@ -272,7 +297,8 @@ class Scheduler:
                 out, event = self._queue(sid, chunk)
             except Exception as e:  # noqa: BLE001 - the caller awaiting this chunk gets it
                 chunk.record.completed = self.clock()
-                chunk.future.set_exception(e)
+                if not chunk.future.done():   # (its caller may have given up)
+                    chunk.future.set_exception(e)
                 busy.discard(lane)
                 continue
             self._in_flight[lane] = _InFlight(chunk, event=event, out=out)

@@ -172,7 +172,7 @@ class SessionPool:
         compiled = lane.compiled
         compiled_before = compiled.counters.compiled_calls
         met, start = lane.classes_met(), time.perf_counter()
-        with lane.running():
+        with lane.running(), compiled.keep_stock_results():
             if lane.resident is not None and lane.resident != sid:
                 self._save(self._sessions[lane.resident])
             result = self._call(session, args, kwargs)
@@ -184,12 +184,10 @@ class SessionPool:
             lane.resident = sid
         else:
             # The stock step ran (a call outside the catalog). Its state may be views of the
-            # module's own scratch buffers, which the next stock call of any session overwrites:
-            # the session takes its own copy, and no session is resident in the carries.
-            with lane.running():
-                session.state = pytree.tree_map(
-                    lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
-                    result[self.state_out])
+            # module's own scratch buffers, which the next stock call of any session (of any
+            # lane, in any thread) overwrites: the step copied what it returned before another
+            # could run (``keep_stock_results``), and no session is resident in the carries.
+            session.state = result[self.state_out]
             lane.resident = None
         return result
 
@@ -295,13 +293,14 @@ class SessionPool:
                           weights.device if weights is not None else torch.device("cpu"))
             self._generator = (torch.cuda.default_generators[device.index or 0]
                                if device.type == "cuda" else torch.default_generator)
-        if seed is None:
-            return self._generator.get_state()
-        outside = self._generator.get_state()
-        self._generator.manual_seed(seed)
-        start = self._generator.get_state()
-        self._generator.set_state(outside)
-        return start
+        with _DRAWS, GLOBAL_STATE.shared():   # never while another session's state is swapped in
+            if seed is None:
+                return self._generator.get_state()
+            outside = self._generator.get_state()
+            self._generator.manual_seed(seed)
+            start = self._generator.get_state()
+            self._generator.set_state(outside)
+            return start
 
     def _get(self, sid: int) -> _Session:
         if sid not in self._sessions:

@@ -1,9 +1,11 @@
-"""``cudagraphs.GLOBAL_STATE``: compiled calls share it; a class compile, a capture and a pooled
-draw hold it alone. A class traces with fake tensors swapped into the module, so nothing may run
-the module in another thread meanwhile."""
+"""``cudagraphs.GLOBAL_STATE``: a class compile (and its preparation), a capture and a call that
+runs the stock step hold it alone; a pool's drawing chunk shares it; replays take none. A class
+traces with fake tensors swapped into the module, a stock call writes the module's buffers, a
+preparation puts the generators back: nothing else may run the module or draw meanwhile."""
 import threading
 import time
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -101,8 +103,8 @@ def test_a_waiting_exclusive_holder_goes_before_new_shared_ones():
 
 def test_nothing_runs_the_module_while_a_class_of_it_traces(monkeypatch):
     """One thread compiles a class (its trace slowed by 0.4 s while the module's parameters are
-    fake); another runs the module itself under ``GLOBAL_STATE.shared()``, as code outside the
-    compiled step must. It waits for the compile and computes on the real parameters."""
+    fake); another runs the module itself under ``GLOBAL_STATE.exclusive()``, as code outside
+    the compiled step must. It waits for the compile and computes on the real parameters."""
     model = make_decoder()
     compiled = cadence_fx.compile(model, DECODER_ADAPTER)
     tracing_now, linear = threading.Event(), torch.nn.Linear.forward
@@ -124,8 +126,90 @@ def test_nothing_runs_the_module_while_a_class_of_it_traces(monkeypatch):
 
     t = _in_thread(compile_one)
     assert tracing_now.wait(30)
-    with GLOBAL_STATE.shared(), torch.inference_mode():
+    with GLOBAL_STATE.exclusive(), torch.inference_mode():
         got, _ = model(x, None)
     t.join(60)
     assert torch.equal(got, want)
     assert compiled.counters.traces == 1 and len(compiled.classes) == 1   # it traced, slowed
+
+
+@pytest.fixture
+def eager_switches():
+    """Threads switch every 10 microseconds (races show up in a few calls)."""
+    import sys
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    yield
+    sys.setswitchinterval(before)
+
+
+def test_stock_calls_of_two_lanes_never_share_the_modules_buffers(eager_switches):
+    """Two lanes of a served toy, each chunk outside the catalog (width 12: the stock step, which
+    returns views of the module's own scratch buffers), sent from two threads at once: every
+    chunk equals its session run alone."""
+    from cadence_fx.serve.engine import PoolEngine
+    from cadence_fx.serve.models import StockSession, build
+    model = build("toy")
+    engine = PoolEngine(model, lanes=2)
+    sids = [engine.open(lane=0), engine.open(lane=1)]
+    g = torch.Generator().manual_seed(0)
+    xs = [[torch.randn(1, 12, 256, generator=g) for _ in range(12)] for _ in range(2)]
+    outs, start = [[], []], threading.Barrier(2, timeout=30)
+
+    def play(k):
+        start.wait()
+        for x in xs[k]:
+            outs[k].append(engine.chunk(sids[k], {"x": x})[0]["y"])
+
+    threads = [_in_thread(lambda k=k: play(k)) for k in range(2)]
+    for t in threads:
+        t.join(120)
+    for k in range(2):
+        ref = StockSession(model)
+        assert [torch.equal(ref.chunk({"x": x})["y"], y) for x, y in zip(xs[k], outs[k])] == \
+            [True] * 12
+    assert [engine.pools["step"].lanes[i].compiled.counters.fallbacks for i in (0, 1)] == [12, 12]
+
+
+def test_a_background_priming_compile_leaves_other_lanes_draws_alone(eager_switches):
+    """Lane 0 compiles a priming class in the background (its preparation puts the generators
+    back when it ends) while lane 1's session draws in another thread: lane 1 equals itself
+    alone from its seed."""
+    import dataclasses
+    from cadence_fx.models.toy import NOISY_ADAPTER, NoisySourceToy
+
+    class Noisy(NoisySourceToy):
+        def forward(self, x, cache=None):
+            if cache is None:
+                cache = torch.zeros(1, x.shape[1], self.context)
+            return super().forward(x, cache)
+
+    adapter = dataclasses.replace(NOISY_ADAPTER, name="noisy-priming", prompt_lengths=(8,))
+    model, zero = Noisy(), torch.zeros(1, 16, 2)
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(1, 16, 8, generator=g) for _ in range(150)]
+    want, cache = [], zero
+    torch.manual_seed(100)
+    with torch.inference_mode():
+        for x in xs:
+            y, cache = model(x, cache)
+            want.append(y.clone())
+    pool = cadence_fx.SessionPool(cadence_fx.compile(model, adapter), lanes=2)
+    drawing, priming = pool.open(zero, seed=100, lane=1), pool.open(None, seed=5, lane=0)
+    got, started = [], threading.Event()
+
+    def draw():
+        with torch.inference_mode():
+            for i, x in enumerate(xs):
+                if i == 20:
+                    started.set()
+                got.append(pool.step(drawing, x)[0].clone())
+
+    t = _in_thread(draw)
+    assert started.wait(60)
+    with torch.inference_mode():
+        pool.step(priming, xs[0])   # runs stock; its class compiles in the background
+    assert pool.lanes[0].compiled.wait_background(60)
+    t.join(120)
+    assert pool.lanes[0].compiled.counters.background_compiles == 1
+    assert [torch.equal(a, b) for a, b in zip(got, want)] == [True] * len(xs)

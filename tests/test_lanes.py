@@ -204,7 +204,7 @@ async def _serve(pool, scripts, seed, lanes=False, threads=False, queued_on=None
         homes[i] = pool.lane_of(sid)
         for j, (op, x) in enumerate(scripts[i]):
             if op == "prime" and j > 0:
-                pool.reset(sid, None)
+                sched.reset(sid, None)
             out = await sched.submit(sid, x)
             outs[i].append(out[0].clone())
         await sched.drain()
@@ -383,3 +383,43 @@ def test_lane_threads_keep_each_sessions_draws_its_own():
     assert queued_on == {"cadence-lane0", "cadence-lane1"}
     steps = [lane.compiled.counters for lane in pool.lanes]
     assert sum(k.compiled_calls for k in steps) == 20 and sum(k.fallbacks for k in steps) == 0
+
+
+def test_a_session_closed_while_its_chunk_is_queued_on_its_lane_thread(monkeypatch):
+    """Lane threads: a client goes away while its chunk is still being queued (queuing slowed to
+    50 ms, as when the launch queue is full). The pool closes it after that chunk, on the lane's
+    thread, so the lane's other session goes on exactly."""
+    from cadence_fx.models.toy import NOISY_ADAPTER, NoisySourceToy
+    from cadence_fx.runtime import CompiledStep
+    model = NoisySourceToy()
+    pool = cadence_fx.SessionPool(cadence_fx.compile(model, NOISY_ADAPTER), lanes=1)
+    zero, x = torch.zeros(1, 16, 2), torch.randn(1, 16, 8, generator=torch.Generator().manual_seed(1))
+    real = CompiledStep.__call__
+
+    def slow(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        time.sleep(0.05)
+        return out
+
+    monkeypatch.setattr(CompiledStep, "__call__", slow)
+
+    async def serve():
+        sched = Scheduler(pool, period_ms=60_000.0, poll_ms=0.1, threads=True)
+        a, b = sched.open(zero, seed=1), sched.open(zero, seed=2)
+        await sched.submit(a, x)
+        first_b = (await sched.submit(b, x))[0].clone()
+        pending = sched.submit(a, x)
+        await asyncio.sleep(0.01)   # a's chunk is being queued on the lane's thread
+        sched.close(a)
+        await pending
+        second_b = (await sched.submit(b, x))[0].clone()
+        await sched.stop()
+        return first_b, second_b
+
+    first_b, second_b = asyncio.run(serve())
+    torch.manual_seed(2)
+    with torch.inference_mode():
+        want1, cache = model(x, zero)
+        want2, _ = model(x, cache)
+    assert torch.equal(first_b, want1) and torch.equal(second_b, want2)
+    assert pool.sessions == [1]

@@ -13,10 +13,11 @@ waits for the previous chunk of its lane to be done before it is queued, so a ch
 are never reused by the next one while the device still reads them. Chunks of different lanes
 are queued from their threads at once: the queuing of one (which can wait for room in the
 driver's launch queue) holds no other lane. What runs the module itself (the start states, the
-stock step run eagerly; a call that falls back to stock; a drawing chunk) holds the process-wide
-``cudagraphs.GLOBAL_STATE`` shared, and a class compile or a capture holds it alone, so nothing
-computes on the module while a class of it traces (which swaps fake tensors into the module);
-drawing chunks take turns on the generator (``sessions.py``). Replays need neither. On CUDA
+stock step run eagerly; a call that falls back to stock), a class compile and a capture hold the
+process-wide ``cudagraphs.GLOBAL_STATE`` alone, and a drawing chunk holds it shared, so nothing
+computes on the module while a class of it traces (which swaps fake tensors into the module) or
+while another stock call writes its buffers; drawing chunks take turns on the generator
+(``sessions.py``). Replays need none of it. On CUDA
 (``SessionPool(..., lanes=L)`` queues each lane's work on its own stream and returns), a chunk
 then waits for its own completion, so chunks of other lanes are queued and run meanwhile; a
 chunk spanning several pools (Token2Wav's flow, then HiFT) runs under its first pool's lane
@@ -66,8 +67,9 @@ class PoolEngine:
     def open(self, prompt: Optional[Tensors] = None, seed: Optional[int] = None,
              lane: Optional[int] = None) -> int:
         """A new session on ``lane`` (default: the lane with the fewest sessions)."""
-        # the start state is the stock step run eagerly: never while a class of it compiles
-        with self._lock, GLOBAL_STATE.shared():
+        # the start state is the stock step run eagerly, which writes the module's own buffers:
+        # alone in the process (no compile, capture, stock call or draw meanwhile)
+        with self._lock, GLOBAL_STATE.exclusive():
             states = self.model.start(prompt or {})
             if lane is None:
                 lane = min(self._first.lanes, key=lambda x: (x.sessions, x.index)).index
@@ -80,7 +82,7 @@ class PoolEngine:
     def reset(self, sid: int) -> None:
         """Turn boundary: the session starts again from its prompt (after its lane's chunk in
         flight: a pool's lane bookkeeping is its chunks' too)."""
-        with self._lane_locks[self.lane_of(sid)], self._lock, GLOBAL_STATE.shared():
+        with self._lane_locks[self.lane_of(sid)], self._lock, GLOBAL_STATE.exclusive():
             ids = self._get(sid)
             states = self.model.start(self._prompts[sid])
             for n, pid in ids.items():

@@ -53,18 +53,19 @@ class StockSession:
         self.model, self.prompt = model, prompt or {}
         pools = {n: SessionPool(cs) for n, cs in model.compiled.items()}
         self.slots = {n: (p.state_arg, p.state_out) for n, p in pools.items()}
-        self.rng = {n: _seeded(cs, seed) for n, cs in model.compiled.items()
-                    if seed is not None and cs.adapter.effects.device_rng}
+        with GLOBAL_STATE.exclusive():   # the generators, as the steps' own
+            self.rng = {n: _seeded(cs, seed) for n, cs in model.compiled.items()
+                        if seed is not None and cs.adapter.effects.device_rng}
         self.reset()
 
-    # the stock steps are the compiled steps' modules: never run while a class of them compiles
-    # (``cudagraphs.GLOBAL_STATE``), e.g. a served session's in another thread
+    # the stock steps are the compiled steps' modules and write their buffers: they run alone in
+    # the process (``cudagraphs.GLOBAL_STATE``), e.g. beside a served session in another thread
     def reset(self) -> None:
-        with GLOBAL_STATE.shared():
+        with GLOBAL_STATE.exclusive():
             self.states = self.model.start(self.prompt)
 
     def chunk(self, inputs: Tensors, last: bool = False) -> Tensors:
-        with torch.inference_mode(), GLOBAL_STATE.shared():
+        with torch.inference_mode(), GLOBAL_STATE.exclusive():
             return self.model.chunk(self._run, inputs, last)
 
     def _run(self, name, *args, **kwargs):
