@@ -346,7 +346,8 @@ class SharedExclusive:
 # A thread holding it shared that needs it alone gives its hold back while it waits (a class
 # compiles before it runs). Code outside cadence_fx that runs the same module in another thread
 # while cadence_fx may (a background priming compile, traffic on other lanes) must hold it too:
-# ``with GLOBAL_STATE.exclusive(): module(...)``.
+# ``with GLOBAL_STATE.exclusive(): module(...)``, and open no pool session inside (an unseeded
+# open waits for the pool's draws, which wait for this).
 GLOBAL_STATE = SharedExclusive()
 
 

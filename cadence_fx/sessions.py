@@ -103,6 +103,7 @@ class SessionPool:
         self.state_out = int(outs.pop())
         self._sessions: Dict[int, _Session] = {}
         self._ids = itertools.count()
+        self._counts = threading.Lock()   # the lanes' session counts
         self.lanes: List[Lane] = make_lanes(compiled, lanes, backend_for_lane)
         self._generator = None   # the device generator sessions draw from (device randomness)
         # replays of graphs drawing device randomness read one seed/offset holder per generator
@@ -137,7 +138,8 @@ class SessionPool:
             raise ValueError(f"lane {lane!r}: this pool has lanes 0..{len(self.lanes) - 1}")
         sid = next(self._ids)
         self._sessions[sid] = _Session(self._own(state), self._rng_start(state, seed), home)
-        home.sessions += 1
+        with self._counts:   # (a scheduler's lane thread may close one meanwhile)
+            home.sessions += 1
         return sid
 
     def reset(self, sid: int, state=None) -> None:
@@ -152,7 +154,8 @@ class SessionPool:
     def close(self, sid: int) -> None:
         session = self._get(sid)
         del self._sessions[sid]
-        session.lane.sessions -= 1
+        with self._counts:
+            session.lane.sessions -= 1
         if session.lane.resident == sid:
             session.lane.resident = None
 
@@ -293,14 +296,13 @@ class SessionPool:
                           weights.device if weights is not None else torch.device("cpu"))
             self._generator = (torch.cuda.default_generators[device.index or 0]
                                if device.type == "cuda" else torch.default_generator)
-        with _DRAWS, GLOBAL_STATE.shared():   # never while another session's state is swapped in
-            if seed is None:
+        if seed is None:   # the generator's state now, never another session's swapped in
+            with _DRAWS:
                 return self._generator.get_state()
-            outside = self._generator.get_state()
-            self._generator.manual_seed(seed)
-            start = self._generator.get_state()
-            self._generator.set_state(outside)
-            return start
+        # a generator of its own, seeded: the process's is never touched (nor waited for)
+        own = torch.Generator(self._generator.device)
+        own.manual_seed(seed)
+        return own.get_state()
 
     def _get(self, sid: int) -> _Session:
         if sid not in self._sessions:

@@ -213,3 +213,56 @@ def test_a_background_priming_compile_leaves_other_lanes_draws_alone(eager_switc
     t.join(120)
     assert pool.lanes[0].compiled.counters.background_compiles == 1
     assert [torch.equal(a, b) for a, b in zip(got, want)] == [True] * len(xs)
+
+
+def test_seeded_opens_beside_another_lanes_drawing_chunks_never_deadlock(eager_switches):
+    """One thread opens and closes seeded sessions on lane 1 (each start state a stock pass, held
+    alone) while another sends a drawing session's chunks on lane 0: both finish (a seeded open
+    once waited for the draw lock holding GLOBAL_STATE alone, while a chunk held the draw lock
+    waiting for it), and the chunks equal the session alone."""
+    from cadence_fx.models.toy import NOISY_ADAPTER, NoisySourceToy
+    from cadence_fx.serve.engine import PoolEngine
+    from cadence_fx.serve.models import ServedModel
+    model, zero = NoisySourceToy(), torch.zeros(1, 16, 2)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(1, 16, 8, generator=g) for _ in range(80)]
+
+    def start(prompt):
+        time.sleep(0.002)   # the start state's stock pass
+        return {"step": zero}
+
+    def chunk(run, inputs, last):
+        time.sleep(0.001)
+        return {"y": run("step", inputs["x"])[0]}
+
+    served = ServedModel("noisy", {"step": model}, {"step": cadence_fx.compile(model, NOISY_ADAPTER)},
+                         start=start, chunk=chunk, example=lambda s, i: {"x": xs[i]},
+                         deadline_ms=1000.0)
+    engine = PoolEngine(served, lanes=2)
+    sid = engine.open(seed=100, lane=0)
+    got, stop, done = [], threading.Event(), threading.Event()
+
+    def opener():
+        n = 0
+        while not stop.is_set():
+            engine.close(engine.open(seed=n, lane=1))
+            n += 1
+
+    def chunks():
+        for x in xs:
+            got.append(engine.chunk(sid, {"x": x})[0]["y"])
+        done.set()
+
+    t = _in_thread(opener)
+    _in_thread(chunks)
+    finished = done.wait(60)
+    stop.set()
+    t.join(10)
+    assert finished and not t.is_alive()
+    want, cache = [], zero
+    torch.manual_seed(100)
+    with torch.inference_mode():
+        for x in xs:
+            y, cache = model(x, cache)
+            want.append(y)
+    assert [torch.equal(a, b) for a, b in zip(got, want)] == [True] * len(xs)

@@ -67,10 +67,12 @@ class PoolEngine:
     def open(self, prompt: Optional[Tensors] = None, seed: Optional[int] = None,
              lane: Optional[int] = None) -> int:
         """A new session on ``lane`` (default: the lane with the fewest sessions)."""
-        # the start state is the stock step run eagerly, which writes the module's own buffers:
-        # alone in the process (no compile, capture, stock call or draw meanwhile)
-        with self._lock, GLOBAL_STATE.exclusive():
-            states = self.model.start(prompt or {})
+        with self._lock:
+            # the start state is the stock step run eagerly, which writes the module's own
+            # buffers: alone in the process (no compile, capture, stock call or draw meanwhile);
+            # the pools' open after it (a session's generator state waits for another's draw)
+            with GLOBAL_STATE.exclusive():
+                states = self.model.start(prompt or {})
             if lane is None:
                 lane = min(self._first.lanes, key=lambda x: (x.sessions, x.index)).index
             sid, self._next = self._next, self._next + 1
