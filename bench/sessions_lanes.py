@@ -1,7 +1,8 @@
 """Token2Wav conversations per GPU with lanes, compiled priming and the deadline scheduler.
 
     python bench/sessions_lanes.py [--out bench/results/<date>-h200-sessions-lanes.json]
-        [--depth 16] [--lanes 1,2] [--ns 8,16,24,32] [--seconds 6] [--budget-s 420] [--threads] [--host-profile]
+        [--depth 16] [--lanes 1,2] [--ns 8,16,24,32] [--seconds 6] [--budget-s 420]
+        [--threads] [--host-profile]
     python bench/sessions_lanes.py --device cpu --depth 1 --ns 2 --lanes 1,2 --seconds 2   # harness
 
 Per lane count L and session count N: N conversations arrive (Poisson, mean gap ``--gap-ms``),
@@ -253,7 +254,8 @@ def _host_profile(served, k, trials=3):
                 served.run(f, "chunk", toks[f][t])
         _sync()
         t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (DEVICE == "cuda")) as prof:
+        activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (DEVICE == "cuda")
+        with profile(activities=activities) as prof:
             for t in range(3, 3 + trials):
                 for f in fids:
                     served.run(f, "chunk", toks[f][t])
@@ -316,7 +318,8 @@ def _row(flow, hift, served, lanes, n, args):
     exact = [all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in
                  zip(outs, _alone(flow, hift, speaker, len(outs)))) for speaker, outs in results]
     mem = served.fpool.memory()
-    return {"lanes": lanes, "sessions": n, "lane_threads": args.threads, **report, **pauses.report(),
+    return {"lanes": lanes, "sessions": n, "lane_threads": args.threads, **report,
+            **pauses.report(),
             "sessions_served": len(results),
             "realtime": report["deadline_misses"] == 0, "all_bit_exact": all(exact),
             "sessions_bit_exact": sum(exact), "wall_s": time.perf_counter() - t0,

@@ -235,9 +235,9 @@ def test_seeded_opens_beside_another_lanes_drawing_chunks_never_deadlock(eager_s
         time.sleep(0.001)
         return {"y": run("step", inputs["x"])[0]}
 
-    served = ServedModel("noisy", {"step": model}, {"step": cadence_fx.compile(model, NOISY_ADAPTER)},
-                         start=start, chunk=chunk, example=lambda s, i: {"x": xs[i]},
-                         deadline_ms=1000.0)
+    served = ServedModel("noisy", {"step": model},
+                         {"step": cadence_fx.compile(model, NOISY_ADAPTER)}, start=start,
+                         chunk=chunk, example=lambda s, i: {"x": xs[i]}, deadline_ms=1000.0)
     engine = PoolEngine(served, lanes=2)
     sid = engine.open(seed=100, lane=0)
     got, stop, done = [], threading.Event(), threading.Event()

@@ -241,7 +241,8 @@ def _flush_script(seed):
 
 
 @pytest.mark.parametrize("threads", [False, True], ids=["loop-thread", "lane-threads"])
-def test_the_scheduler_counts_classes_compiled_in_traffic_and_warm_lanes_prepares_them(model, threads):
+def test_the_scheduler_counts_classes_compiled_in_traffic_and_warm_lanes_prepares_them(model,
+                                                                                      threads):
     scripts = [_flush_script(60 + s) for s in range(4)]
     cold = _pool(model, lanes=2)
     report, outs = asyncio.run(_serve(cold, scripts, seed=5, threads=threads))
@@ -393,7 +394,8 @@ def test_a_session_closed_while_its_chunk_is_queued_on_its_lane_thread(monkeypat
     from cadence_fx.runtime import CompiledStep
     model = NoisySourceToy()
     pool = cadence_fx.SessionPool(cadence_fx.compile(model, NOISY_ADAPTER), lanes=1)
-    zero, x = torch.zeros(1, 16, 2), torch.randn(1, 16, 8, generator=torch.Generator().manual_seed(1))
+    zero = torch.zeros(1, 16, 2)
+    x = torch.randn(1, 16, 8, generator=torch.Generator().manual_seed(1))
     real = CompiledStep.__call__
 
     def slow(self, *args, **kwargs):
