@@ -345,7 +345,7 @@ class SharedExclusive:
 #   and a draw from it in another thread fails ("Offset increment outside graph capture").
 # A thread holding it shared that needs it alone gives its hold back while it waits (a class
 # compiles before it runs). Code outside cadence_fx that runs the same module in another thread
-# while cadence_fx may (a background priming compile, traffic on other lanes) must hold it too:
+# while cadence_fx serves it (a background priming compile, traffic on other lanes) must hold it:
 # ``with GLOBAL_STATE.exclusive(): module(...)``, and open no pool session inside (an unseeded
 # open waits for the pool's draws, which wait for this).
 GLOBAL_STATE = SharedExclusive()
