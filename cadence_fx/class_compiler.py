@@ -18,7 +18,6 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import fusion, progress, replay, stored_class
-from .cudagraphs import GLOBAL_STATE
 from .passes.context import PassContext, RegionBinding
 from .contract import Adapter
 from .effects import RngSnapshot, TensorSnapshot
@@ -59,11 +58,8 @@ def compile_class(cs, key, named) -> Optional[ClassEntry]:
     """Compile the class ``key`` of the compiled step ``cs`` (a ``runtime.CompiledStep``, whose
     class store it fills) from the call ``named``; None when it is rejected (the
     reason is ``cs.store.verdict(key)``). Released envelopes get their storage back for the whole of it
-    and are released again afterwards, with any this class newly replaced. It holds
-    ``cudagraphs.GLOBAL_STATE`` alone: nothing runs the module in another thread while it traces
-    (fake tensors are swapped into it) or makes its probationary call (which rewinds the
-    generators)."""
-    with GLOBAL_STATE.exclusive(), cs.envelopes.held_back() as replaced:
+    and are released again afterwards, with any this class newly replaced."""
+    with cs.envelopes.held_back() as replaced:
         return _compile(cs, key, named, replaced)
 
 

@@ -16,7 +16,6 @@ the step knows of each class in ``class_store.py``, its options in ``config.py``
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import sys
@@ -99,7 +98,8 @@ class CompiledStep:
         # one call at a time: a priming class compiling in the background holds it too
         self.lock = threading.RLock()
         self.background = _priming.Background(self)
-        self._keeping = threading.local()   # keep_stock_results, per thread
+        # stock results copied before another stock call can overwrite them (set by a pool)
+        self.keep_stock_results = False
 
     @property
     def classes(self):
@@ -120,27 +120,15 @@ class CompiledStep:
             if reason is not None:   # (an entry with a reason: this call's state, not the class)
                 # the module itself runs and writes its own buffers, which every lane shares:
                 # alone in the process (``cudagraphs.GLOBAL_STATE``), and what it returns is
-                # copied while so, when the caller keeps it (a pool: ``keep_stock_results``)
+                # copied while so when a pool keeps it (``keep_stock_results``)
                 with GLOBAL_STATE.exclusive():
                     result = self._eager(reason, args, kwargs,
                                          priming=_priming.is_priming(self, by_path))
-                    if getattr(self._keeping, "on", False):
+                    if self.keep_stock_results:
                         result = pytree.tree_map(
                             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, result)
                     return result
             return self.run(entry, by_path)
-
-    @contextlib.contextmanager
-    def keep_stock_results(self):
-        """Calls in this block (this thread's) that run the stock step return copies of what it
-        returned, made before another thread may run the module: a stock step may return views of
-        the module's own buffers, which the next stock call of any lane overwrites
-        (``SessionPool`` keeps a session's state so)."""
-        before, self._keeping.on = getattr(self._keeping, "on", False), True
-        try:
-            yield
-        finally:
-            self._keeping.on = before
 
     def select(self, args, kwargs, donate: Optional[bool] = None):
         """The call's first half: admission, absorption into the carries, and the class entry
@@ -179,7 +167,8 @@ class CompiledStep:
             reason = self._arrival_reason(known, arrived)   # not compiled only to run stock
             if reason is not None:
                 return None, reason
-            entry = compile_class(self, key, named)
+            with GLOBAL_STATE.exclusive():   # tracing swaps fakes into the module: alone
+                entry = compile_class(self, key, named)
             if entry is None:
                 return None, self.store.verdict(key)
         reads = entry.layout_reads

@@ -105,6 +105,8 @@ class SessionPool:
         self._ids = itertools.count()
         self._counts = threading.Lock()   # the lanes' session counts
         self.lanes: List[Lane] = make_lanes(compiled, lanes, backend_for_lane)
+        for lane in self.lanes:   # a session keeps a stock call's state past the next one
+            lane.compiled.keep_stock_results = True
         self._generator = None   # the device generator sessions draw from (device randomness)
         # replays of graphs drawing device randomness read one seed/offset holder per generator
         # (filled at each replay): lanes take turns for those chunks
@@ -175,7 +177,7 @@ class SessionPool:
         compiled = lane.compiled
         compiled_before = compiled.counters.compiled_calls
         met, start = lane.classes_met(), time.perf_counter()
-        with lane.running(), compiled.keep_stock_results():
+        with lane.running():
             if lane.resident is not None and lane.resident != sid:
                 self._save(self._sessions[lane.resident])
             result = self._call(session, args, kwargs)
@@ -189,7 +191,8 @@ class SessionPool:
             # The stock step ran (a call outside the catalog). Its state may be views of the
             # module's own scratch buffers, which the next stock call of any session (of any
             # lane, in any thread) overwrites: the step copied what it returned before another
-            # could run (``keep_stock_results``), and no session is resident in the carries.
+            # could run (``CompiledStep.keep_stock_results``), and no session is resident in the
+            # carries.
             session.state = result[self.state_out]
             lane.resident = None
         return result

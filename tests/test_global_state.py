@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import cadence_fx
 from cadence_fx.cudagraphs import GLOBAL_STATE, SharedExclusive
+from helpers import stream
 from streaming_decoder import DECODER_ADAPTER, make_decoder, prompt
 
 
@@ -188,12 +189,8 @@ def test_a_background_priming_compile_leaves_other_lanes_draws_alone(eager_switc
     model, zero = Noisy(), torch.zeros(1, 16, 2)
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(1, 16, 8, generator=g) for _ in range(150)]
-    want, cache = [], zero
-    torch.manual_seed(100)
-    with torch.inference_mode():
-        for x in xs:
-            y, cache = model(x, cache)
-            want.append(y.clone())
+    want = [y for y, _ in stream(model, xs, zero, None, reset_at=len(xs), mode=torch.inference_mode,
+                                 before=lambda i: i or torch.manual_seed(100))]
     pool = cadence_fx.SessionPool(cadence_fx.compile(model, adapter), lanes=2)
     drawing, priming = pool.open(zero, seed=100, lane=1), pool.open(None, seed=5, lane=0)
     got, started = [], threading.Event()
@@ -259,10 +256,6 @@ def test_seeded_opens_beside_another_lanes_drawing_chunks_never_deadlock(eager_s
     stop.set()
     t.join(10)
     assert finished and not t.is_alive()
-    want, cache = [], zero
-    torch.manual_seed(100)
-    with torch.inference_mode():
-        for x in xs:
-            y, cache = model(x, cache)
-            want.append(y)
+    want = [y for y, _ in stream(model, xs, zero, None, reset_at=len(xs), mode=torch.inference_mode,
+                                 before=lambda i: i or torch.manual_seed(100))]
     assert [torch.equal(a, b) for a, b in zip(got, want)] == [True] * len(xs)

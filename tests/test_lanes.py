@@ -22,6 +22,7 @@ import torch
 import cadence_fx
 from cadence_fx.scheduler import Scheduler
 from cadence_fx.sessions import warm_lanes
+from helpers import stream
 from replay_stand_in import StandInBackend
 from streaming_decoder import CALL, CHUNK, DECODER_ADAPTER, PROMPT, chunks, make_decoder, prompt
 
@@ -350,16 +351,9 @@ def test_lane_threads_keep_each_sessions_draws_its_own():
     xs = [[torch.randn(1, 16, 8, generator=g) for _ in range(5)] for _ in range(4)]
     zero = torch.zeros(1, 16, 2)
 
-    def alone(s):
-        outs, cache = [], zero
-        torch.manual_seed(100 + s)
-        for x in xs[s]:
-            with torch.inference_mode():
-                y, cache = model(x, cache)
-            outs.append(y.clone())
-        return outs
-
-    refs = [alone(s) for s in range(4)]
+    refs = [[y for y, _ in stream(model, xs[s], zero, None, reset_at=len(xs[s]),
+                                  before=lambda i, s=s: i or torch.manual_seed(100 + s),
+                                  mode=torch.inference_mode)] for s in range(4)]
     pool = cadence_fx.SessionPool(cadence_fx.compile(model, NOISY_ADAPTER), lanes=2)
     queued_on = set()
 

@@ -16,6 +16,7 @@ import cadence_fx
 from cadence_fx.admission import _extent_fix
 from cadence_fx.catalog import build_catalog
 from cadence_fx.models.toy import PROMPT_RETAINED_ADAPTER, PromptRetainedToy
+from helpers import stream
 from replay_stand_in import StandInBackend
 from schedule_share import CompiledShare
 
@@ -427,16 +428,9 @@ def test_sessions_draw_from_their_own_generators():
     xs = [[torch.randn(1, 16, 8, generator=g) for _ in range(5)] for _ in range(3)]
     zero = torch.zeros(1, 16, 2)
 
-    def alone(s):
-        outs, cache = [], zero
-        torch.manual_seed(100 + s)
-        for x in xs[s]:
-            with torch.no_grad():
-                y, cache = model(x, cache)
-            outs.append(y.clone())
-        return outs
-
-    refs = [alone(s) for s in range(3)]
+    refs = [[y for y, _ in stream(model, xs[s], zero, None, reset_at=len(xs[s]),
+                                  before=lambda i, s=s: i or torch.manual_seed(100 + s))]
+            for s in range(3)]
     pool = cadence_fx.SessionPool(cadence_fx.compile(model, NOISY_ADAPTER))
     ids = [pool.open(zero, seed=100 + s) for s in range(3)]
     outs = [[] for _ in ids]
