@@ -26,7 +26,6 @@ reason.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import threading
 import time
@@ -36,6 +35,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from .capture_streams import CaptureStream, private_stream
 from .effects import RngSnapshot, TensorSnapshot
 from .fusion import pending_regions
 from .passes.fx_utils import mutated_attributes
@@ -55,7 +55,7 @@ class CudaGraphBackend:
         # one side stream for every eager warm-up and every capture: the BLAS libraries keep a
         # workspace per stream they run on (32 MiB each for cuBLAS on Hopper) for the life of
         # the process
-        self._side: Optional[torch.cuda.Stream] = None
+        self._side: Optional[CaptureStream] = None   # its graphs live and die together
         self._graphs = weakref.WeakSet()   # the graphs captured into ``pool`` still alive
         self.captured = 0
         self.capture_seconds = 0.0   # staging, capture and any warm-up of every piece
@@ -104,7 +104,9 @@ class CudaGraphBackend:
         self.captured += 1
         self._graphs.add(graph)
         self.staging_bytes += piece.staging_bytes
-        return self._replayer(piece, args, static, graph, outs), None
+        replay = self._replayer(piece, args, static, graph, outs)
+        replay.capture_stream = self._side   # holds the stream and its graphs (capture_streams.py)
+        return replay, None
 
     @staticmethod
     def _staged_inputs(piece, args) -> List:
@@ -170,8 +172,13 @@ class CudaGraphBackend:
         """The side stream warm-ups and captures run on (made again if the current device
         changed since: a step runs on one device)."""
         if self._side is None or self._side.device.index != torch.cuda.current_device():
-            self._side = private_stream()
-        return self._side
+            self._side = CaptureStream()
+        return self._side.stream
+
+    @property
+    def graphs_given_up(self) -> int:
+        """Graphs given up on the current capture stream, kept until its graphs all go."""
+        return self._side.given_up if self._side is not None else 0
 
     @contextlib.contextmanager
     def side_stream(self):
@@ -196,16 +203,17 @@ class CudaGraphBackend:
         a capture in the serving thread would fail a background compile's. Other threads never
         work on this stream, so nothing of theirs can enter the graph (Inductor's CUDA graph
         trees capture the same way)."""
-        graph = torch.cuda.CUDAGraph()
+        stream = self._stream()
+        graph = self._side.graph()
         with GLOBAL_STATE.exclusive():
             rng = RngSnapshot()
             try:
-                with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool,
-                                                       stream=self._stream(),
+                with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, stream=stream,
                                                        capture_error_mode="thread_local"):
                     outs = piece.module(*static)
             except BaseException:
-                _out_of_capture(self._stream())
+                self._side.give_up(graph)
+                _out_of_capture(self._side)
                 torch.cuda.synchronize()
                 rng.restore()   # a capture cut short leaves the generators as they were
                 raise
@@ -241,29 +249,6 @@ class CudaGraphBackend:
             rng.restore()
             self.warmup_seconds += time.perf_counter() - start
         return effects.host_reason
-
-
-# the streams live lanes and captures hold, by handle (``private_stream``)
-_HELD: "weakref.WeakValueDictionary[int, torch.cuda.Stream]" = weakref.WeakValueDictionary()
-
-
-def private_stream() -> torch.cuda.Stream:
-    """A stream of the current device that no live lane or capture holds. ``torch.cuda.Stream()``
-    hands out 32 pooled streams round-robin, so the 33rd comes back as the 1st: two lanes' capture
-    streams would then be one, their graphs one cuBLAS workspace (replayed concurrently, a race),
-    and destroying either's graphs would free the workspace the other's still use
-    (pytorch/pytorch#193402)."""
-    for attempt in range(2):
-        for _ in range(32):
-            stream = torch.cuda.Stream()
-            if stream.cuda_stream not in _HELD:
-                _HELD[stream.cuda_stream] = stream
-                return stream
-        gc.collect()   # steps, pools and lanes no longer referenced give theirs back
-    raise RuntimeError(
-        "every pooled CUDA stream of this device is held by a live lane or capture stream (torch "
-        "pools 32 per priority): close compiled steps and session pools that are no longer used "
-        "(step.close(), and drop them), or serve with fewer lanes")
 
 
 class SharedExclusive:
@@ -351,7 +336,7 @@ class SharedExclusive:
 GLOBAL_STATE = SharedExclusive()
 
 
-def _out_of_capture(stream: torch.cuda.Stream) -> None:
+def _out_of_capture(side: CaptureStream) -> None:
     """Take the default generator out of capture mode after a capture that failed. A capture
     whose end fails (``cudaStreamEndCapture`` reports it invalidated by an op not allowed in it)
     raises before torch takes the generators registered with it out of capture mode, and nothing
@@ -360,9 +345,11 @@ def _out_of_capture(stream: torch.cuda.Stream) -> None:
     replica met it: HiFT's first piece, loaded compiled, failed its first capture, then its
     warm-up and every stock call after it failed too.) An empty capture begun and ended on the
     same stream takes the generator in and out of capture mode, on the same generator state the
-    graphs captured so far replay with."""
-    graph = torch.cuda.CUDAGraph()
-    with warnings.catch_warnings(), torch.cuda.stream(stream):
+    graphs captured so far replay with. The empty graph stays with the others on that stream:
+    destroying it would drop the cuBLAS workspace they replay with (capture_streams.py)."""
+    graph = side.graph()
+    side.give_up(graph)
+    with warnings.catch_warnings(), torch.cuda.stream(side.stream):
         warnings.simplefilter("ignore")   # torch warns that the graph is empty
         graph.capture_begin(capture_error_mode="thread_local")
         graph.capture_end()

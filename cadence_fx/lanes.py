@@ -103,7 +103,7 @@ def make_lanes(compiled, n: int, backend_for_lane: Optional[Callable[[int], obje
     if backend_for_lane is not None and compiled.backend is None:
         compiled.backend = backend_for_lane(0)
     if on_cuda:   # a stream of its own per lane: never one another lane or capture holds
-        from .cudagraphs import private_stream
+        from .capture_streams import private_stream
     lanes = [Lane(0, compiled, private_stream() if on_cuda else None)]
     for i in range(1, n):
         lanes.append(Lane(i, _lane_step(compiled, backend_for_lane(i) if backend_for_lane

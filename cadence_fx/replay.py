@@ -101,6 +101,8 @@ class GuardedPiece(torch.nn.Module):
                      if a != b]
             self.counters.invalidations += 1
             log.warning("%s invalidated: fixed-address input(s) %s moved", self.piece_name, moved)
+            if hasattr(self.replay, "capture_stream"):   # which keeps it (capture_streams.py)
+                self.replay.capture_stream.give_up(self.replay.graph)
             self.replay = None
             if self.recapture:  # capture again at the next call, at the new addresses
                 self.signature = None

@@ -329,14 +329,14 @@ def test_lane_and_capture_streams_are_never_shared_when_torchs_pool_wraps():
     """torch hands out 32 pooled streams round-robin: a lane's or a capture's stream must not come
     back to another live lane (their graphs would share a cuBLAS workspace)."""
     import gc
-    from cadence_fx import cudagraphs
+    from cadence_fx import capture_streams
     gc.collect()   # steps of earlier tests still waiting for the collector give theirs back
-    free = 32 - len(cudagraphs._HELD)   # lanes and captures still alive in this process hold the rest
+    free = 32 - len(capture_streams._HELD)   # lanes and captures still alive in this process hold the rest
     assert free >= 4, f"{32 - free} pooled streams are held by live lanes or captures"
-    held = [cudagraphs.private_stream() for _ in range(free - 2)]
+    held = [capture_streams.private_stream() for _ in range(free - 2)]
     for _ in range(45):   # move torch's round-robin past the held ones, twice over
         torch.cuda.Stream()
-    more = [cudagraphs.private_stream() for _ in range(2)]
+    more = [capture_streams.private_stream() for _ in range(2)]
     handles = [s.cuda_stream for s in held + more]
     assert len(set(handles)) == len(handles)
 

@@ -1,0 +1,112 @@
+"""Capture streams (``cadence_fx/capture_streams.py``): a graph captured on a stream is destroyed only
+with every other graph captured there, and the stream is not handed out again while any of them
+lives. torch drops a stream's cuBLAS workspace whenever one of its graphs is destroyed, under the
+graphs still replaying with it (pytorch/pytorch#193402). The lifetimes are checked on the CPU with
+stand-ins for torch's streams and graphs; the workspace itself on CUDA."""
+import gc
+import itertools
+import types
+import weakref
+
+import pytest
+import torch
+
+from cadence_fx import capture_streams
+from cadence_fx.capture_streams import CaptureStream, private_stream
+
+
+class _Stream:
+    """torch's pooled streams: 32 handles handed out round-robin."""
+    _next = itertools.count()
+
+    def __init__(self):
+        self.cuda_stream = 0x1000 + next(self._next) % 32
+        self.device = torch.device("cuda", 0)
+
+
+class _Graph:
+    pass
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(capture_streams, "_HELD", weakref.WeakValueDictionary())
+
+
+def test_a_graph_given_up_lives_until_every_graph_of_its_stream_goes(stand_ins):
+    side = CaptureStream()
+    kept, given = side.graph(), side.graph()
+    refs = [weakref.ref(kept), weakref.ref(given)]
+    side.give_up(given)
+    del given
+    gc.collect()
+    assert refs[1]() is not None, "a given-up graph was destroyed while another graph replays"
+    assert (len(side), side.given_up) == (2, 1)
+    del kept, side
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
+def test_a_stream_stays_held_while_a_replayer_keeps_its_graphs(stand_ins):
+    """A step dropped while one of its replayers is still referenced: the stream is not handed
+    to a new lane, whose graphs would share its workspace until the old graph is destroyed."""
+    side = CaptureStream()
+    graph = side.graph()
+    replay = types.SimpleNamespace(graph=graph, capture_stream=side)   # what lower() returns
+    handle = side.stream.cuda_stream
+    del side, graph
+    gc.collect()
+    assert all(private_stream().cuda_stream != handle for _ in range(31)), \
+        "a stream whose graph is still alive was handed out again"
+    ref = weakref.ref(replay.graph)
+    del replay
+    gc.collect()
+    assert ref() is None and handle not in capture_streams._HELD
+    assert private_stream().cuda_stream == handle   # free again: the round-robin comes back to it
+
+
+def test_only_a_graph_of_the_stream_can_be_given_up(stand_ins):
+    one, other = CaptureStream(), CaptureStream()
+    assert one.stream.cuda_stream != other.stream.cuda_stream
+    with pytest.raises(AssertionError, match="another capture stream"):
+        one.give_up(other.graph())
+
+
+def test_every_pooled_stream_held_is_an_error_that_says_what_to_do(stand_ins):
+    held = [private_stream() for _ in range(32)]
+    with pytest.raises(RuntimeError, match=r"step\.close\(\), and drop them"):
+        private_stream()
+    assert len({s.cuda_stream for s in held}) == 32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_failed_capture_keeps_the_workspace_the_graphs_before_it_replay_with():
+    """A GEMM captured, then a piece whose captures fail (a host sync): each failure leaves an
+    empty capture on the side stream (``_out_of_capture``) and a given-up graph. Destroying either
+    would free the stream's cuBLAS workspace, which the GEMM's graph writes its scratch into."""
+    from cadence_fx.cudagraphs import CudaGraphBackend
+
+    def piece(fn, fixed):
+        return types.SimpleNamespace(module=fn, piece_name="p", fixed=fixed, mutated=[False] * 2,
+                                     escaping=[True], staging_bytes=0)
+
+    torch.manual_seed(0)
+    x, w = torch.randn(512, 1024, device="cuda"), torch.randn(1024, 768, device="cuda")
+    backend = CudaGraphBackend()
+    replay, reason = backend.lower(piece(lambda x, w: (x @ w,), [False, True]), (x, w))
+    assert reason is None and backend.captured == 1
+    before = torch.cuda.memory_allocated()
+    syncs = piece(lambda x, w: ((x @ w) * (x @ w).sum().item(),), [False, True])
+    replay2, reason = backend.lower(syncs, (x, w))
+    assert replay2 is None and reason.startswith("capture failed")
+    assert backend.graphs_given_up == 4   # two captures tried, each with its empty capture
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() >= before, "the side stream's workspace was freed"
+    torch.cuda.empty_cache()   # a freed workspace would now be unmapped, or taken by this:
+    junk = [torch.full((1 << 23,), float("nan"), device="cuda") for _ in range(8)]
+    assert torch.equal(replay([x, w])[0], x @ w)
+    del junk
