@@ -1,14 +1,8 @@
 """cadence_fx: exact state and exact-shape replay for streaming speech models, from declared clocks."""
-import os
-
-# A compiled chunk is one device graph of thousands of kernels (the Token2Wav flow's: 8,373). The
-# driver's default launch queue fills while it is queued, and the launching thread then waits for
-# the device: on the H200 a 64 ms flow + HiFT chunk kept its thread 31 ms in "Command Buffer Full"
-# (bench/results/2026-12-02-h200-host-profile-23dccee.json), so lanes queued from one thread
-# could not overlap. The driver reads CUDA_SCALE_LAUNCH_QUEUES once, when it creates the context,
-# so it is set here, before torch touches CUDA, unless it is set already (docs/sessions.md, Lanes).
-# It sizes the queue only: the kernels, their order and their results are the same.
-os.environ.setdefault("CUDA_SCALE_LAUNCH_QUEUES", "4x")
+# The driver's launch queue keeps its default size: CUDA_SCALE_LAUNCH_QUEUES=4x, which
+# ``import cadence_fx`` once set, failed the 3-lane Token2Wav catalog's captures on the H200
+# ("unspecified launch failure", driver 580.159.04, CUDA 13.0) where the default size ran them
+# (docs/sessions.md, Lanes).
 from .catalog import Catalog, build_catalog
 from .contract import APPEND, PREPEND, Adapter, Effects, PromptRetained, Region, Ring, SlidingWindow
 from .errors import CadenceError, ContractError, GuardError, ShadowMismatch, TraceError

@@ -90,6 +90,7 @@ def test_a_failed_capture_keeps_the_workspace_the_graphs_before_it_replay_with()
     from cadence_fx.cudagraphs import CudaGraphBackend
 
     def piece(fn, fixed):
+        fn.written_attributes = ()   # no module state (what ``lower`` asks a piece)
         return types.SimpleNamespace(module=fn, piece_name="p", fixed=fixed, mutated=[False] * 2,
                                      escaping=[True], staging_bytes=0)
 
