@@ -12,7 +12,9 @@ length (``--seconds`` on average); as one retires a new speaker arrives (churn).
 ``cadence_fx.scheduler`` serves them over ``SessionPool(..., lanes=L)`` for flow and HiFT; a chunk's
 deadline is its arrival + ``--budget-ms``. A row is real-time when no chunk misses its deadline.
 Every session's mel and PCM are compared (``torch.equal``) with the same speaker run alone through
-stock. The stock baseline (one stream, sessions in turn) runs in the same process first. Also:
+stock, after the row's traffic, in ``--ref-workers`` processes of their own (8 on CUDA: a 3 x 16
+row took 219 s at 62217a0, most of it its references run in this process). The stock baseline (one stream, sessions
+in turn) runs in the same process first. Also:
 the priming pass p50 (stock ``setup_cache`` and the compiled priming class, CUDA events after
 warm-up) with each one's kernel time and launches (``*priming_kernels``: the compiled class is one
 device graph, nothing eager, so its p50 over its kernel time says what is left to gain), the fraction of wall time the GPU spends in kernels (profiler) for stock and for the
@@ -66,6 +68,8 @@ def _tokens(speaker, n):
 
 
 _ALONE = {}   # speaker -> its chunks alone through stock (a stream's first n chunks do not depend on n)
+_REFERENCES = {"pool": None, "workers": 0, "processes_checked": None}
+_WORKER = {}
 
 
 def _alone(flow, hift, speaker, n):
@@ -74,6 +78,50 @@ def _alone(flow, hift, speaker, n):
     if len(_ALONE.get(speaker, ())) < n:
         _ALONE[speaker] = _alone_run(flow, hift, speaker, n)
     return _ALONE[speaker][:n]
+
+
+def _references(flow, hift, needs, args):
+    """Fill ``_ALONE`` for ``{speaker: chunks}``. Stock runs a chunk in about 0.6 s of host time
+    on the H200, so a 3 x 24 row's references alone took minutes: with ``--ref-workers`` W > 1
+    they run in W processes, each with its own stock flow and HiFT built from the same seeds
+    (after the row's traffic, never during it). The first speaker is also run in this process
+    and the workers' result must equal it (``references_processes_checked``)."""
+    missing = {s: n for s, n in needs.items() if len(_ALONE.get(s, ())) < n}
+    if not missing:
+        return
+    if args.ref_workers <= 1:
+        for s, n in missing.items():
+            _alone(flow, hift, s, n)
+        return
+    if _REFERENCES["pool"] is None:
+        import multiprocessing
+        _REFERENCES["pool"] = concurrent.futures.ProcessPoolExecutor(
+            args.ref_workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_worker_init, initargs=(args.depth, tuple(int(b) for b in
+                                                                 args.blocks.split(",")), DEVICE))
+        _REFERENCES["workers"] = args.ref_workers
+    jobs = [_REFERENCES["pool"].submit(_worker_alone, s, n) for s, n in missing.items()]
+    if _REFERENCES["processes_checked"] is None:
+        s, n = next(iter(missing.items()))
+        here = _alone_run(flow, hift, s, n)
+        there = jobs[0].result()[1]
+        _REFERENCES["processes_checked"] = all(
+            torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(here, there))
+    for job in jobs:
+        s, outs = job.result()
+        _ALONE[s] = outs
+
+
+def _worker_init(depth, blocks, device):
+    global DEVICE
+    DEVICE = device
+    cadence_fx.pin_deterministic_kernels()
+    _WORKER["flow"] = FlowStep(build_flow(depth, blocks=blocks, device=device))
+    _WORKER["hift"] = HiFTStep(build_hift(device=device))
+
+
+def _worker_alone(speaker, n):
+    return speaker, _alone_run(_WORKER["flow"], _WORKER["hift"], speaker, n)
 
 
 def _alone_run(flow, hift, speaker, n):
@@ -113,9 +161,9 @@ class Served:
                                                     enabled=DEVICE == "cuda"):
             state = self.flow_step(tokens, spk, None, prompt_mel=mel_p)[1]
             state = {k: v.clone() for k, v in state.items()}
-            self.fpool.capture_catalog(torch.zeros(1, 28, dtype=torch.long, device=DEVICE), spk,
-                                       state, priming_example=lambda n: ((tokens, spk, None),
-                                                                         {"prompt_mel": mel_p}))
+            self.preparations = [str(p) for p in self.fpool.capture_catalog(
+                torch.zeros(1, 28, dtype=torch.long, device=DEVICE), spk, state,
+                priming_example=lambda n: ((tokens, spk, None), {"prompt_mel": mel_p}))]
 
         def conversation(lane):   # prime, then chunks until retention holds (302 -> 402 frames)
             fid = self.open(10_000 + lane, lane=lane)
@@ -315,14 +363,22 @@ def _row(flow, hift, served, lanes, n, args):
         report, records, results = asyncio.run(_churn(served, n, args.seconds, args.gap_ms,
                                                       args.budget_ms, args.period_ms / 1e3, n,
                                                       args.threads))
+    t_ref = time.perf_counter()
+    needs = {}
+    for speaker, outs in results:
+        needs[speaker] = max(needs.get(speaker, 0), len(outs))
+    _references(flow, hift, needs, args)
     exact = [all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in
                  zip(outs, _alone(flow, hift, speaker, len(outs)))) for speaker, outs in results]
+    references_s = time.perf_counter() - t_ref
     mem = served.fpool.memory()
     return {"lanes": lanes, "sessions": n, "lane_threads": args.threads, **report,
             **pauses.report(),
             "sessions_served": len(results),
             "realtime": report["deadline_misses"] == 0, "all_bit_exact": all(exact),
             "sessions_bit_exact": sum(exact), "wall_s": time.perf_counter() - t0,
+            "references_s": references_s, "reference_workers": _REFERENCES["workers"],
+            "references_processes_checked": _REFERENCES["processes_checked"],
             "max_memory_allocated": torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0,
             "flow_lane_bytes": mem["lane_bytes"], "flow_session_bytes_mean": mem["session_bytes_mean"],
             "fallbacks": _totals(served)["fallbacks"],
@@ -456,6 +512,9 @@ def _args():
                     help="the scheduler queues each lane's chunks from a thread of its own")
     ap.add_argument("--host-profile", action="store_true",
                     help="profile the host side of k chunks at once (k = 1 and the most lanes)")
+    ap.add_argument("--ref-workers", type=int, default=None,
+                    help="processes that run the stock references after each row (default: 8 "
+                         "on CUDA, 1 = in this process)")
     ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                     help="leave the objects start-up made to the collector (default: gc.freeze())")
     return ap.parse_args()
@@ -465,6 +524,8 @@ def main():
     global DEVICE
     args = _args()
     DEVICE = args.device
+    if args.ref_workers is None:
+        args.ref_workers = 8 if DEVICE == "cuda" else 1
     start = time.perf_counter()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     cadence_fx.pin_deterministic_kernels()
@@ -501,6 +562,7 @@ def main():
     served = Served(cflow, chift, max(lanes), flow)
     result["warm"] = served.prepare()
     result["prepare_s"] = time.perf_counter() - t
+    result["preparations"] = served.preparations   # per lane: each class, how it came, seconds
     print(json.dumps({"prepare_s": result["prepare_s"], "warm": result["warm"]}), flush=True)
     _compiled_priming(result, served.fpool.lanes[0], lambda: cflow(tokens, spk, None,
                                                                    prompt_mel=mel_p))
@@ -518,6 +580,8 @@ def main():
     result["moshi_conversations_per_gpu"] = None
     result["moshi"] = {"not_run": "measured by bench/moshi_lanes.py (batched frames per lane)"}
     result["all_bit_exact"] = all(r["all_bit_exact"] for r in result["rows"])
+    if _REFERENCES["pool"] is not None:
+        _REFERENCES["pool"].shutdown()
     result["wall_s"] = time.perf_counter() - start
     save()
     print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "stock")}, default=str))
