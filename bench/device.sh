@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call:  bash bench/device.sh  (writes under $OUT)
 # Steps: all (tests, demo, bench) | tests | demo | moshi | chunk | bench | suite | cold | sessions |
-# lanes | moshi-lanes | reliability | mutation | mutation-cpu | timeline | warm,
+# lanes | moshi-lanes | gc-probe | reliability | mutation | mutation-cpu | timeline | warm,
 # or par "<steps for GPU 0>" "<steps for GPU 1>" ... (each under PAR_LIMIT seconds, default 540).
 # BENCH_ARGS passes arguments to the step's script; '+' separates them (BENCH_ARGS=--ns=1,2+--rounds=4).
 # Needs the model wheels in .whl/, carried along:
@@ -107,6 +107,13 @@ if [[ $STEP == lanes ]]; then
   CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 bench/sessions_lanes.py \
     --out "$OUT/$(date +%F)-h200-sessions-lanes.json" ${BENCH_ARGS//+/ } > "$OUT/lanes.log" 2>&1
   echo "lanes rc $?"; grep -E '^\{"(prepare_s|lane_concurrency|host_profile|lanes)' "$OUT/lanes.log" | cut -c1-600
+fi
+if [[ $STEP == gc-probe ]]; then
+  # the lanes tests with automatic collection off, collected after each test with what it frees
+  # printed first (bench/gc_probe.py): a crash inside a collection then names its garbage
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=bench:$PYTHONPATH timeout ${GC_PROBE_LIMIT:-300} \
+    python3 -X faulthandler -m pytest -p gc_probe tests/test_lanes.py -v -s -p no:cacheprovider \
+    > "$OUT/gc-probe.txt" 2>&1; echo "gc-probe rc $?"; grep -E "gc_probe|PASS|FAIL|Fatal" "$OUT/gc-probe.txt" | cut -c1-400 | tail -40
 fi
 if [[ $STEP == moshi-lanes ]]; then
   # Moshi conversations per GPU: batched frames per lane (bench/moshi_lanes.py)
