@@ -213,6 +213,7 @@ class CudaGraphBackend:
                     outs = piece.module(*static)
             except BaseException:
                 self._side.give_up(graph)
+                _end_allocation(self._side.device, self.pool)
                 _out_of_capture(self._side)
                 torch.cuda.synchronize()
                 rng.restore()   # a capture cut short leaves the generators as they were
@@ -334,6 +335,19 @@ class SharedExclusive:
 # ``with GLOBAL_STATE.exclusive(): module(...)``, and open no pool session inside (an unseeded
 # open waits for the pool's draws, which wait for this).
 GLOBAL_STATE = SharedExclusive()
+
+
+def _end_allocation(device: torch.device, pool) -> None:
+    """Stop routing allocations to ``pool`` after a failed capture. A capture whose end fails
+    (``cudaStreamEndCapture`` reports it invalidated, as after a host sync inside it) raises
+    before torch ends the pool's allocation (``CUDAGraph::capture_end``): the pool then stays
+    recording and every later capture into it fails ("beginAllocateToPool: already recording
+    to mempool_id", seen on the H200 with torch 2.11). Where the capture ended its allocation
+    already, torch says the pool is not recording, and there is nothing to do."""
+    try:
+        torch._C._cuda_endAllocateToPool(device.index, pool)
+    except RuntimeError:
+        pass
 
 
 def _out_of_capture(side: CaptureStream) -> None:

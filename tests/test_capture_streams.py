@@ -97,12 +97,15 @@ def test_a_failed_capture_keeps_the_workspace_the_graphs_before_it_replay_with()
     torch.manual_seed(0)
     x, w = torch.randn(512, 1024, device="cuda"), torch.randn(1024, 768, device="cuda")
     backend = CudaGraphBackend()
+    with backend.side_stream():   # as a class's probationary stock call: cuBLAS set up, and the
+        x @ w                     # side stream's workspace made, before anything is captured
     replay, reason = backend.lower(piece(lambda x, w: (x @ w,), [False, True]), (x, w))
     assert reason is None and backend.captured == 1
     before = torch.cuda.memory_allocated()
     syncs = piece(lambda x, w: ((x @ w) * (x @ w).sum().item(),), [False, True])
     replay2, reason = backend.lower(syncs, (x, w))
     assert replay2 is None and reason.startswith("capture failed")
+    assert "already recording" not in reason, "the failed capture left the pool recording"
     assert backend.graphs_given_up == 4   # two captures tried, each with its empty capture
     gc.collect()
     torch.cuda.synchronize()
@@ -111,3 +114,6 @@ def test_a_failed_capture_keeps_the_workspace_the_graphs_before_it_replay_with()
     junk = [torch.full((1 << 23,), float("nan"), device="cuda") for _ in range(8)]
     assert torch.equal(replay([x, w])[0], x @ w)
     del junk
+    replay3, reason = backend.lower(piece(lambda x, w: (x @ w * 3,), [False, True]), (x, w))
+    assert reason is None and backend.captured == 2, "a capture after the failed ones"
+    assert torch.equal(replay3([x, w])[0], x @ w * 3) and torch.equal(replay([x, w])[0], x @ w)
