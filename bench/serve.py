@@ -94,14 +94,15 @@ def inprocess(engine, model, n, rounds, clients="lane"):
     return summary(chunk_ms, round_ms, n), outs
 
 
-def through_ray(url, model, n, rounds, lanes, clients="lane"):
+def through_ray(url, model, n, rounds, lanes, clients="lane", direct=False):
     """N sessions over the WebSocket, ``lanes`` client threads per replica, each round-robin
     over its share of the replica's sessions (``clients="session"``: a thread per session, each
-    on its connection); round time is the slowest thread's."""
+    on its connection); round time is the slowest thread's. ``direct``: the sessions' chunks go
+    over connections to their replicas' own servers (``cadence_fx/serve/direct.py``)."""
     from cadence_fx.serve import StreamClient
     by_replica, sessions = {}, []
     for s in range(n):
-        sess = StreamClient(url).open(seed=1000 + s)
+        sess = StreamClient(url).open(seed=1000 + s, direct=direct)
         by_replica.setdefault(sess.replica, []).append((s, sess))
         sessions.append(sess)
     ping_ms = []   # a stats request's round trip: the path without a chunk's work or payload
@@ -140,7 +141,7 @@ def exact(a, b):
                for sa, sb in zip(a, b) for x, y in zip(sa, sb))
 
 
-def start_ray(name, gpus, cache_dir, port, lanes):
+def start_ray(name, gpus, cache_dir, port, lanes, direct=False):
     import ray
     from ray import serve
     from cadence_fx.serve import build_app
@@ -149,7 +150,7 @@ def start_ray(name, gpus, cache_dir, port, lanes):
     ray.init(num_gpus=gpus, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(name, max(gpus, 1), cache_dir=cache_dir, num_gpus=1 if gpus else 0,
-                        lanes=lanes),
+                        lanes=lanes, direct_host="127.0.0.1" if direct else None),
               name="bench", route_prefix="/")
     return f"ws://127.0.0.1:{port}/v1/stream"
 
@@ -174,6 +175,9 @@ def main():
                     help="session: every session sends from a thread (and connection) of its own, "
                          "as conversations do, on both paths; lane: one thread per lane sends "
                          "its sessions' chunks in turn (a chunk's transport then delays the next)")
+    ap.add_argument("--direct", action="store_true",
+                    help="also measure each row over direct connections to the replicas "
+                         "(rows' ray_direct; docs/serving.md, Direct connections)")
     args = ap.parse_args()
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="cfx-serve-")
     model = build(args.model, args.device, cache_dir)
@@ -181,7 +185,7 @@ def main():
     warm = engine.warm()          # fills the cache the replicas start from
     ns = [int(n) for n in args.ns.split(",")]
     url = start_ray(args.model, args.gpus if args.device == "cuda" else 0, cache_dir, args.port,
-                    args.lanes)
+                    args.lanes, args.direct)
     rows = []
     for n in ns:   # the result is written after every row: a run cut short keeps what it measured
         before = engine.counters()
@@ -192,6 +196,12 @@ def main():
         rows.append({"sessions": n, "inprocess": local, "ray": remote, "gpus": args.gpus,
                      "lanes": args.lanes,
                      "all_bit_exact": exact(local_outs, remote_outs)})
+        if args.direct:
+            direct, direct_outs = through_ray(url, model, n, args.rounds, args.lanes,
+                                              args.clients, direct=True)
+            rows[-1]["ray_direct"] = direct
+            rows[-1]["all_bit_exact"] = rows[-1]["all_bit_exact"] and exact(local_outs,
+                                                                            direct_outs)
         print(json.dumps(rows[-1]), flush=True)
         with open(args.out, "w") as f:
             json.dump(result_of(rows, args, warm), f, indent=1)
@@ -208,6 +218,10 @@ def result_of(rows, args, warm):
             "ray_vs_inprocess_sessions": best_ray / best_local if best_local else None,
             "added_p99_ms": at["ray"]["chunk_p99_ms"] - at["inprocess"]["chunk_p99_ms"],
             "all_bit_exact": all(r["all_bit_exact"] for r in rows),
+            **({"direct_vs_inprocess_sessions": largest(rows, "ray_direct") / best_local
+                if best_local else None,
+                "added_p99_ms_direct": at["ray_direct"]["chunk_p99_ms"]
+                - at["inprocess"]["chunk_p99_ms"]} if args.direct else {}),
             # two replicas through Ray against the one-GPU pool in-process
             **({"scaling_ratio": best_ray / best_local if best_local else None}
                if args.gpus == 2 else {}),

@@ -322,6 +322,10 @@ def _serve_parser(sub) -> None:
                         "concurrently on the GPU (docs/sessions.md; default 1)")
     s.add_argument("--full", action=argparse.BooleanOptionalAction, default=None,
                    help="the model's real configuration, as demo --full")
+    s.add_argument("--direct", action="store_true",
+                   help="each replica also serves its sessions' chunks on a WebSocket of its "
+                        "own, bound to --host, for sessions opened with direct=True "
+                        "(docs/serving.md, Direct connections)")
     s.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds Ctrl-C waits for live sessions to end their turn")
     s.set_defaults(run=_serve)

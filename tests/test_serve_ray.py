@@ -34,8 +34,8 @@ class Cluster:
         self.url = f"ws://127.0.0.1:{port}/v1/stream"
 
     def deploy(self):
-        serve.run(build_app("toy", 2, cache_dir=self.cache_dir, num_cpus=0.5, threads=1),
-                  name="cfx", route_prefix="/")
+        serve.run(build_app("toy", 2, cache_dir=self.cache_dir, num_cpus=0.5, threads=1,
+                            direct_host="127.0.0.1"), name="cfx", route_prefix="/")
 
     def health(self):
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/health", timeout=30) as r:
@@ -58,8 +58,18 @@ class Cluster:
             time.sleep(0.5)
         raise AssertionError(f"replicas {sorted(up)} after {timeout} s (wanted {n}, not {gone})")
 
-    def kill(self, stats):
+    def kill(self, stats, timeout=30):
+        """Kill a replica's actor and wait until it is dead (a direct connection's next request
+        could otherwise still reach it)."""
         ray.kill(ray.get_actor(stats["actor"], namespace="serve"), no_restart=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(stats["actor"], namespace="serve")
+            except ValueError:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"replica {stats['replica']} still alive {timeout} s after its kill")
 
 
 @pytest.fixture(scope="module")
@@ -117,11 +127,36 @@ def test_sessions_stay_on_their_replicas_and_are_exact(cluster, toy):
                 s.chunk(**streams[0][0])
 
 
+def test_direct_sessions_are_exact_and_their_connections_serve_them_only(cluster, toy):
+    """Sessions opened with ``direct``: every later request on a connection to the replica's own
+    server, none through the gateway; exact against stock alone across the reset; a direct
+    connection refuses another replica's session and an open."""
+    with StreamClient(cluster.url) as client:
+        sessions = [client.open(seed=50 + s, direct=True) for s in range(2)]
+        assert len({s.replica for s in sessions}) == 2
+        assert all(s.direct.startswith("ws://127.0.0.1:") for s in sessions)
+        assert sessions[0].direct != sessions[1].direct
+        for k, s in enumerate(sessions):
+            play(s, StockSession(toy, seed=50 + k), inputs(50 + k), range(len(WIDTHS)))
+        a, b = sessions
+        with pytest.raises(ServeError, match=f"direct connection is replica {b.replica}'s"):
+            b.request({"op": "reset", "session": a.token})
+        with pytest.raises(ServeError, match="open sessions through the gateway"):
+            b.request({"op": "open", "seed": 1})
+        assert a.stats()["replica"] == a.replica   # its own replica's, over its connection
+        for s in sessions:
+            s.close()
+        assert sessions[0]._ws is None
+
+
 def test_a_killed_replica_loses_its_sessions_and_the_others_go_on(cluster, toy):
+    """Through the gateway and over direct connections (seeds 14 and 15)."""
     with StreamClient(cluster.url) as client:
         sessions = [client.open(seed=10 + s) for s in range(4)]
-        refs = [StockSession(toy, seed=10 + s) for s in range(4)]
-        streams = [inputs(10 + s) for s in range(4)]
+        sessions += [client.open(seed=14 + s, direct=True) for s in range(2)]
+        assert len({s.replica for s in sessions[4:]}) == 2
+        refs = [StockSession(toy, seed=10 + s) for s in range(6)]
+        streams = [inputs(10 + s) for s in range(6)]
         for s, ref, xs in zip(sessions, refs, streams):
             play(s, ref, xs, range(2))
         victim = sessions[0].stats()

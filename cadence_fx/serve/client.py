@@ -10,6 +10,11 @@
 A chunk for a session whose replica is gone raises ``SessionLost``: its state is gone with the
 replica, so the caller opens a new session (on a live replica) and primes it again; nothing is
 moved behind its back. Other error replies raise ``ServeError`` with their ``code``.
+
+``client.open(direct=True)`` (a server started with ``direct_host``, ``cadence-fx serve
+--direct``): the session's later requests go over a connection of its own to its replica's own
+WebSocket server, not through Serve's proxy and the gateway (``direct.py``); the replica's death
+closes that connection, and the request then raises ``SessionLost``.
 """
 from __future__ import annotations
 
@@ -36,15 +41,17 @@ class StreamClient:
 
     def request(self, header: dict, tensors: Optional[Tensors] = None) -> Tuple[dict, Tensors]:
         """Send one request and return the reply; an error reply raises."""
-        self._ws.send(encode(header, tensors))
-        reply, out = decode(self._ws.recv(timeout=self.timeout))
-        raise_for(reply)
-        return reply, out
+        return _request(self._ws, header, tensors, self.timeout)
 
-    def open(self, prompt: Optional[Tensors] = None, seed: Optional[int] = None) -> "Session":
+    def open(self, prompt: Optional[Tensors] = None, seed: Optional[int] = None,
+             direct: bool = False) -> "Session":
         """A new session: ``prompt``, the model's priming tensors (none: the replica's default),
-        ``seed``, its generator's seed where the model draws randomness."""
-        reply, _ = self.request({"op": "open", "seed": seed}, prompt)
+        ``seed``, its generator's seed where the model draws randomness; ``direct``: its later
+        requests go straight to its replica (see the module's docstring)."""
+        header = {"op": "open", "seed": seed}
+        if direct:
+            header["direct"] = True
+        reply, _ = self.request(header, prompt)
         return Session(self, reply)
 
     def close(self) -> None:
@@ -57,29 +64,61 @@ class StreamClient:
         self.close()
 
 
+def _request(ws, header: dict, tensors: Optional[Tensors], timeout: float
+             ) -> Tuple[dict, Tensors]:
+    ws.send(encode(header, tensors))
+    reply, out = decode(ws.recv(timeout=timeout))
+    raise_for(reply)
+    return reply, out
+
+
 class Session:
-    """A session on one replica: ``token`` names both."""
+    """A session on one replica: ``token`` names both. ``direct``: the address of its replica's
+    own server, which its requests use (None: through the gateway)."""
 
     def __init__(self, client: StreamClient, opened: dict):
         self.client, self.token, self.replica = client, opened["session"], opened["replica"]
         self.warm = opened.get("warm", {})     # how its replica started: traces, cache loads
         self.closed: Optional[str] = None      # why the server ended it (e.g. "draining")
         self.last_reply: dict = {}
+        self.direct: Optional[str] = opened.get("direct")
+        self._ws = None
+        if self.direct is not None:
+            from websockets.sync.client import connect
+            self._ws = connect(self.direct, max_size=None, open_timeout=client.timeout,
+                               close_timeout=5, ping_interval=None).__enter__()
+
+    def request(self, header: dict, tensors: Optional[Tensors] = None) -> Tuple[dict, Tensors]:
+        """One request of this session, on its direct connection if it has one."""
+        if self._ws is None:
+            return self.client.request(header, tensors)
+        from websockets.exceptions import ConnectionClosed
+        try:
+            return _request(self._ws, header, tensors, self.client.timeout)
+        except (ConnectionClosed, OSError) as e:
+            raise SessionLost("session_lost", f"the direct connection to replica "
+                              f"{self.replica} closed ({type(e).__name__}): the replica is "
+                              "gone, and the session's state with it; open a new session and "
+                              "prime it again", self.token) from e
 
     def chunk(self, last: bool = False, **inputs: torch.Tensor) -> Tensors:
         """One chunk: the model's inputs by name; returns its outputs (CPU tensors)."""
-        reply, out = self.client.request({"op": "chunk", "session": self.token, "last": last},
-                                         inputs)
+        reply, out = self.request({"op": "chunk", "session": self.token, "last": last}, inputs)
         self.last_reply = reply
         self.closed = reply.get("closed")
         return out
 
     def reset(self) -> None:
-        self.client.request({"op": "reset", "session": self.token})
+        self.request({"op": "reset", "session": self.token})
 
     def close(self) -> None:
-        self.client.request({"op": "close", "session": self.token})
+        try:
+            self.request({"op": "close", "session": self.token})
+        finally:
+            if self._ws is not None:
+                self._ws.close()
+                self._ws = None
 
     def stats(self) -> dict:
         """Its replica's stats (live sessions, warm start, counters, deadline misses)."""
-        return self.client.request({"op": "stats", "session": self.token})[0]["stats"]
+        return self.request({"op": "stats", "session": self.token})[0]["stats"]

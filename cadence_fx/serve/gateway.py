@@ -157,14 +157,17 @@ class Gateway:
 def build_app(model: str = "toy", replicas: int = 1, *, cache_dir=None, num_gpus=None,
               num_cpus: float = 1.0, device: str = "auto", full: Optional[bool] = None,
               threads: Optional[int] = None, deadline_ms: Optional[float] = None,
-              lanes: int = 1, max_ongoing_requests: int = 64):
+              lanes: int = 1, max_ongoing_requests: int = 64,
+              direct_host: Optional[str] = None):
     """The Serve application: the gateway and ``replicas`` replicas of ``model``, each with
     ``num_gpus`` GPUs (default: 1 where this machine has CUDA, else 0; fractional in tests),
     ``num_cpus`` CPUs and ``lanes`` lanes, all compiling into the shared ``cache_dir``.
     ``max_ongoing_requests``: requests a replica runs at once (each in a worker thread of its
     own); a session sends one at a time, so keep it above the sessions a replica holds (a
-    pinned request waits in the gateway when its replica is full). ``serve.run`` it; drain it
-    with ``POST /v1/drain``."""
+    pinned request waits in the gateway when its replica is full). ``direct_host``: each
+    replica also serves its sessions' later requests on a WebSocket of its own, bound to that
+    host (``direct.py``; ``"0.0.0.0"`` advertises the node's address), for the sessions opened
+    with ``"direct": true``. ``serve.run`` it; drain it with ``POST /v1/drain``."""
     if replicas < 1:
         raise ValueError(f"replicas={replicas}: serve at least one replica")
     if lanes < 1 or max_ongoing_requests < 1:
@@ -179,4 +182,4 @@ def build_app(model: str = "toy", replicas: int = 1, *, cache_dir=None, num_gpus
         request_router_config=RequestRouterConfig(request_router_class=SessionRouter))
     return Gateway.bind(replica.bind(model, None if cache_dir is None else str(cache_dir),
                                      device, full, threads, deadline_ms, lanes,
-                                     max_ongoing_requests), model)
+                                     max_ongoing_requests, direct_host), model)

@@ -55,7 +55,8 @@ def serve_locally(args) -> int:
     ray.init(address=args.address, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     kw = dict(cache_dir=str(args.cache_dir or default_dir()), num_gpus=args.gpus,
-              num_cpus=args.cpus, full=args.full, lanes=args.lanes)
+              num_cpus=args.cpus, full=args.full, lanes=args.lanes,
+              direct_host=args.host if getattr(args, "direct", False) else None)
     serve.run(build_app(args.model, args.replicas, **kw), name="cadence_fx", route_prefix="/")
     url = f"http://{args.host}:{args.port}"
     print(f"serving {args.model} on ws://{args.host}:{args.port}/v1/stream with {args.replicas} "

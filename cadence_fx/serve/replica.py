@@ -31,6 +31,7 @@ import ray
 import torch
 from ray import serve
 
+from .direct import DirectServer
 from .engine import PoolEngine
 from .models import build
 from .protocol import OPS, decode, encode, error
@@ -66,7 +67,8 @@ class _Metrics:
 class SessionReplica:
     def __init__(self, model: str, cache_dir: Optional[str] = None, device: str = "auto",
                  full: Optional[bool] = None, threads: Optional[int] = None,
-                 deadline_ms: Optional[float] = None, lanes: int = 1, workers: int = 64):
+                 deadline_ms: Optional[float] = None, lanes: int = 1, workers: int = 64,
+                 direct_host: Optional[str] = None):
         if threads:
             torch.set_num_threads(threads)
         if device == "auto":
@@ -85,10 +87,14 @@ class SessionReplica:
         self._lock = threading.Lock()   # the tally
         self._workers = concurrent.futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix=f"cadence-fx-{self.tag}")
+        # the sessions' own connections (direct.py), started on the replica's event loop
+        self.direct = DirectServer(direct_host, self._direct) if direct_host else None
         log.info("replica %s: %s on %s, %d lanes, warm %s", self.tag, model, device, lanes,
                  self.warm)
 
     async def check_health(self) -> None:
+        if self.direct is not None:
+            await self.direct.start()
         if self.failed:
             raise RuntimeError(f"replica {self.tag} failed ({self.failed}); Serve restarts it and "
                                "its sessions are lost (their clients prime again)")
@@ -107,15 +113,31 @@ class SessionReplica:
 
     async def handle(self, token: Optional[str], message: bytes, avoid=()) -> bytes:
         """One request (``avoid``: replicas the router skips for an open; not read here)."""
+        if self.direct is not None:
+            await self.direct.start()   # before an open may hand out its address
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._workers, self._handle, token, message)
 
-    def _handle(self, token: Optional[str], message: bytes) -> bytes:
+    async def _direct(self, message: bytes) -> bytes:
+        """A request on a session's direct connection (its token in its header)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._workers, self._handle, None, message, True)
+
+    def _handle(self, token: Optional[str], message: bytes, direct: bool = False) -> bytes:
         try:
             header, tensors = decode(message)
         except ValueError as e:
             return error("bad_request", str(e), token)
         op = header.get("op")
+        if direct:
+            token = header.get("session")
+            if op == "open":
+                return error("bad_request", "open sessions through the gateway (/v1/stream) with "
+                             '"direct": true; a direct connection carries their later requests')
+            if op in OPS and replica_of(token) != self.tag:
+                return error("bad_request", f"this direct connection is replica {self.tag}'s; "
+                             f"send the requests of session {token!r} to the address its own "
+                             "open returned, or through the gateway", token)
         if op not in OPS:
             return error("bad_request", f"unknown op {op!r}; send one of {', '.join(OPS)}", token)
         if op == "stats":
@@ -150,13 +172,21 @@ class SessionReplica:
         seed = header.get("seed")
         if seed is not None and not isinstance(seed, int):
             return error("bad_request", f"seed {seed!r} is not an integer; send an int or null")
+        direct = bool(header.get("direct", False))
+        if direct and (self.direct is None or self.direct.url is None):
+            return error("bad_request", "this deployment serves no direct connections: open "
+                         "without \"direct\", or serve with build_app(direct_host=...) "
+                         "(cadence-fx serve --direct)")
         try:
             sid = self.engine.open(tensors, seed=seed)
         except ValueError as e:
             return error("bad_request", str(e))
         self.metrics.live.set(self.engine.live)
-        return encode({"op": "opened", "session": f"{self.tag}:{sid}", "replica": self.tag,
-                       "actor": self.actor, "warm": self.warm})
+        reply = {"op": "opened", "session": f"{self.tag}:{sid}", "replica": self.tag,
+                 "actor": self.actor, "warm": self.warm}
+        if direct:
+            reply["direct"] = self.direct.url
+        return encode(reply)
 
     def _chunk(self, token, sid, header, tensors) -> bytes:
         last = bool(header.get("last", False))
