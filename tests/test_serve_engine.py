@@ -122,3 +122,22 @@ def test_a_started_cluster_hands_replies_over_inline_unless_told_otherwise(monke
     monkeypatch.setenv("RAY_max_direct_call_object_size", "50000")
     inline_replies()
     assert os.environ["RAY_max_direct_call_object_size"] == "50000"
+
+
+def test_a_direct_address_the_client_cannot_reach_closes_the_session_and_says_why():
+    """The replica opened the session, but its direct server is out of the client's reach: the
+    session is closed through the gateway (not left open on the replica) and the error names the
+    address and the fix."""
+    pytest.importorskip("websockets")
+    import socket
+    from cadence_fx.serve.client import ServeError, Session
+    with socket.socket() as s:   # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sent = []
+    client = type("Client", (), {
+        "timeout": 5.0, "request": lambda self, header, tensors=None: sent.append(header)})()
+    opened = {"session": "r1:0", "replica": "r1", "direct": f"ws://127.0.0.1:{port}"}
+    with pytest.raises(ServeError, match=f"at ws://127.0.0.1:{port}, which this client cannot"):
+        Session(client, opened)
+    assert sent == [{"op": "close", "session": "r1:0"}]

@@ -84,9 +84,18 @@ class Session:
         self.direct: Optional[str] = opened.get("direct")
         self._ws = None
         if self.direct is not None:
+            from websockets.exceptions import WebSocketException
             from websockets.sync.client import connect
-            self._ws = connect(self.direct, max_size=None, open_timeout=client.timeout,
-                               close_timeout=5, ping_interval=None).__enter__()
+            try:
+                self._ws = connect(self.direct, max_size=None, open_timeout=client.timeout,
+                                   close_timeout=5, ping_interval=None).__enter__()
+            except (OSError, TimeoutError, WebSocketException) as e:   # unreachable: end it
+                client.request({"op": "close", "session": self.token})
+                raise ServeError("failed", f"the replica of session {self.token} serves direct "
+                                 f"connections at {self.direct}, which this client cannot reach "
+                                 f"({type(e).__name__}: {e}); the session was closed. Open "
+                                 "without direct, or serve with a direct_host the clients reach",
+                                 self.token) from e
 
     def request(self, header: dict, tensors: Optional[Tensors] = None) -> Tuple[dict, Tensors]:
         """One request of this session, on its direct connection if it has one."""
