@@ -1,8 +1,8 @@
 """Capture streams (``cadence_fx/capture_streams.py``): a graph captured on a stream is destroyed
-only with every other graph captured there, and the stream is not handed out again while any of them
-lives. torch drops a stream's cuBLAS workspace whenever one of its graphs is destroyed, under the
-graphs still replaying with it (pytorch/pytorch#193402). The lifetimes are checked on the CPU with
-stand-ins for torch's streams and graphs; the workspace itself on CUDA."""
+only with every other graph captured there, and the stream is not handed out again while any of
+them lives. torch drops a stream's cuBLAS workspace whenever one of its graphs is destroyed,
+under the graphs still replaying with it (pytorch/pytorch#193402). The lifetimes are checked on
+the CPU with stand-ins for torch's streams and graphs; the workspace itself on CUDA."""
 import gc
 import itertools
 import types
