@@ -13,7 +13,7 @@ length (``--seconds`` on average); as one retires a new speaker arrives (churn).
 deadline is its arrival + ``--budget-ms``. A row is real-time when no chunk misses its deadline.
 Every session's mel and PCM are compared (``torch.equal``) with the same speaker run alone through
 stock, after the row's traffic, in ``--ref-workers`` processes of their own (8 on CUDA: a 3 x 16
-row took 219 s at 62217a0, most of it its references run in this process). The stock baseline
+row took 219 s at 62217a0, much of it its references run one after another here). The stock baseline
 (one stream, sessions in turn) runs in the same process first. Also:
 the priming pass p50 (stock ``setup_cache`` and the compiled priming class, CUDA events after
 warm-up) with each one's kernel time and launches (``*priming_kernels``: the compiled class is one
