@@ -141,3 +141,12 @@ def test_a_direct_address_the_client_cannot_reach_closes_the_session_and_says_wh
     with pytest.raises(ServeError, match=f"at ws://127.0.0.1:{port}, which this client cannot"):
         Session(client, opened)
     assert sent == [{"op": "close", "session": "r1:0"}]
+
+
+def test_a_direct_open_on_a_deployment_without_direct_connections_says_how_to_serve_them():
+    pytest.importorskip("ray.serve")
+    from cadence_fx.serve.replica import SessionReplica
+    replica = object.__new__(SessionReplica)   # the state _open reads, without a Serve replica
+    replica.direct, replica.draining = None, False
+    header, _ = decode(replica._open({"op": "open", "direct": True}, {}))
+    assert header["code"] == "bad_request" and "build_app(direct_host=...)" in header["message"]

@@ -10,7 +10,9 @@ this replica only: a token naming another replica is answered ``session_lost``, 
 from a fresh state. Each request runs in a worker thread of the replica's own (as many as
 ``max_ongoing_requests``), so the replica's event loop stays free for Serve's health checks and
 the handle's queue-length probes while chunks compute, and chunks of different lanes overlap on
-the device (``engine.py``).
+the device (``engine.py``). With ``direct_host`` the replica also serves the later requests of the
+sessions opened with ``"direct": true`` on a WebSocket server of its own (``direct.py``), through
+the same ``_handle``.
 
 Draining (``status(token, draining=True)``, which the gateway's ``POST /v1/drain`` sends to the
 replicas it names): the replica opens no session, and each live session is closed at the end of
