@@ -59,9 +59,11 @@ def serve_locally(args) -> int:
               direct_host=args.host if getattr(args, "direct", False) else None)
     serve.run(build_app(args.model, args.replicas, **kw), name="cadence_fx", route_prefix="/")
     url = f"http://{args.host}:{args.port}"
+    direct = (f"; sessions opened with direct=True send their chunks to their replica's own "
+              f"server on {args.host}") if getattr(args, "direct", False) else ""
     print(f"serving {args.model} on ws://{args.host}:{args.port}/v1/stream with {args.replicas} "
-          f"replicas of {args.lanes} lanes (health: {url}/v1/health); Ctrl-C drains and stops",
-          flush=True)
+          f"replicas of {args.lanes} lanes (health: {url}/v1/health){direct}; Ctrl-C drains and "
+          "stops", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
     try:
         while True:
