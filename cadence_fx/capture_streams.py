@@ -6,10 +6,11 @@ not. When torch destroys or resets a graph, it also drops the workspaces of that
 stream (``CUDAGraph::reset`` calls ``clearCublasWorkspacesForStream``, since torch 2.11), although
 every other graph captured on the stream still writes its GEMM scratch there
 (pytorch/pytorch#193402). The block goes back to the allocator; the next capture empties the cache
-and unmaps it, or another tensor takes it. The live graphs then fault ("unspecified launch
-failure") or write into that tensor. On the H200 this crashed lanes that had given up one capture,
-and crashed processes whose old graphs were collected after torch handed their stream to a new
-lane.
+and unmaps it, or another tensor takes it. The live graphs then fault or write into that tensor.
+cadence_fx met it in two ways: the empty capture that follows every failed capture
+(``cudagraphs._out_of_capture``) was destroyed on the step's capture stream, and a stream could
+be handed to a new lane while an old step's graphs still waited for the collector. (Found in
+torch's source; no failure on the H200 has been traced to it yet.)
 
 So, here:
 
