@@ -3,6 +3,7 @@ only with every other graph captured there, and the stream is not handed out aga
 them lives. torch drops a stream's cuBLAS workspace whenever one of its graphs is destroyed,
 under the graphs still replaying with it (pytorch/pytorch#193402). The lifetimes are checked on
 the CPU with stand-ins for torch's streams and graphs; the workspace itself on CUDA."""
+import contextlib
 import gc
 import itertools
 import types
@@ -25,7 +26,11 @@ class _Stream:
 
 
 class _Graph:
-    pass
+    def capture_begin(self, **kwargs):
+        self.begun = True
+
+    def capture_end(self):
+        self.ended = True
 
 
 @pytest.fixture
@@ -79,6 +84,51 @@ def test_every_pooled_stream_held_is_an_error_that_says_what_to_do(stand_ins):
     with pytest.raises(RuntimeError, match=r"step\.close\(\), and drop them"):
         private_stream()
     assert len({s.cuda_stream for s in held}) == 32
+
+
+def test_a_failed_capture_ends_its_pools_allocation_and_keeps_both_its_graphs(stand_ins,
+                                                                              monkeypatch):
+    """The failure path of ``CudaGraphBackend._capture`` with torch's capture stood in for: the
+    pool's allocation is ended (torch 2.11 leaves it recording when the capture's end fails), and
+    the failed graph and the empty capture after it both stay on the capture stream."""
+    from cadence_fx import cudagraphs
+    ended = []
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool",
+                        lambda device, pool: ended.append((device, pool)), raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+
+    class Invalidated:   # torch.cuda.graph whose capture the piece invalidates
+        def __init__(self, graph, **kwargs):
+            self.kwargs = kwargs
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "graph", Invalidated)
+    backend = cudagraphs.CudaGraphBackend()
+    backend.pool = (0, 7)
+    with pytest.raises(RuntimeError, match="not permitted"):
+        backend._capture(types.SimpleNamespace(module=lambda *args: args), [])
+    assert ended == [(0, (0, 7))]
+    side = backend._side
+    assert (len(side), side.given_up, backend.graphs_given_up) == (2, 2, 2)
+    failed, empty = side._graphs
+    assert not hasattr(failed, "begun") and empty.begun and empty.ended   # out of capture mode
+
+
+def test_ending_an_allocation_that_already_ended_is_nothing(monkeypatch):
+    from cadence_fx import cudagraphs
+
+    def not_recording(device, pool):
+        raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", not_recording, raising=False)
+    cudagraphs._end_allocation(torch.device("cuda", 0), (0, 7))   # no error
 
 
 @pytest.mark.gpu
