@@ -104,6 +104,8 @@ class Session:
         from websockets.exceptions import ConnectionClosed
         try:
             return _request(self._ws, header, tensors, self.client.timeout)
+        except TimeoutError:   # an OSError, but the replica is slow, not gone: as the gateway's
+            raise
         except (ConnectionClosed, OSError) as e:
             raise SessionLost("session_lost", f"the direct connection to replica "
                               f"{self.replica} closed ({type(e).__name__}): the replica is "
