@@ -70,9 +70,11 @@ class CudaGraphBackend:
         if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
             return None, "no CUDA tensor among the piece's inputs"
         if not self._graphs:
-            # A pool whose graphs were all released (every class invalidated, or a capture cut
-            # short) is being freed by the allocator and may not be captured into again: its
-            # handle would trip the allocator's internal assert. Start a new one.
+            # No graph of this backend lives in the pool: start a new one. A pool whose graphs
+            # were all released is being freed by the allocator, and its handle would trip the
+            # allocator's internal assert. Graphs given up stay with their capture stream
+            # (capture_streams.py), so this holds until the first capture that succeeds, and
+            # again only after the capture stream itself was replaced (another device).
             self.pool = torch.cuda.graph_pool_handle()
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)

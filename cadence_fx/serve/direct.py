@@ -33,6 +33,8 @@ class DirectServer:
         self._starting = asyncio.Lock()
 
     async def start(self) -> str:
+        if self.url is not None:   # every request of the replica asks: started already
+            return self.url
         async with self._starting:
             if self._server is None:
                 from websockets.asyncio.server import serve
