@@ -24,19 +24,37 @@ So, here:
 
 The price is memory: a given-up graph keeps its executable graph (not its outputs) until its step
 is closed or dropped. ``CaptureStream.given_up`` counts them.
+
+Which streams are held is a set of handles that a held stream takes itself out of when it is
+freed (``_HeldStream.__del__``), never a weak reference to the stream: in torch 2.10 to 2.12 a
+freed ``torch.cuda.Stream`` does not clear the weak references to it (its ``tp_dealloc`` skips
+``PyObject_ClearWeakRefs``, pytorch/pytorch#183403), and a collection that later walks them
+crashes the process.
 """
 from __future__ import annotations
 
 import gc
-import weakref
-from typing import List
+from typing import List, Set
 
 import torch
 
 __all__ = ["CaptureStream", "private_stream"]
 
-# the streams held by live lanes and capture streams, by handle (``private_stream``)
-_HELD: "weakref.WeakValueDictionary[int, torch.cuda.Stream]" = weakref.WeakValueDictionary()
+# the handles of the streams held by live lanes and capture streams (``private_stream``)
+_HELD: Set[int] = set()
+
+
+class _GivesBack:
+    """A held stream gives its handle back when it is freed."""
+    _handle = None
+
+    def __del__(self):
+        if _HELD is not None:   # None while the interpreter shuts down
+            _HELD.discard(self._handle)
+
+
+class _HeldStream(_GivesBack, torch.cuda.Stream):
+    """A pooled stream of the current device, held while this object lives."""
 
 
 def private_stream() -> torch.cuda.Stream:
@@ -46,9 +64,10 @@ def private_stream() -> torch.cuda.Stream:
     and destroying either's graphs would free the workspace the other's still use."""
     for attempt in range(2):
         for _ in range(32):
-            stream = torch.cuda.Stream()
+            stream = _HeldStream()
             if stream.cuda_stream not in _HELD:
-                _HELD[stream.cuda_stream] = stream
+                stream._handle = stream.cuda_stream
+                _HELD.add(stream._handle)
                 return stream
         gc.collect()   # steps, pools and lanes no longer referenced give theirs back
     raise RuntimeError(

@@ -37,7 +37,9 @@ class _Graph:
 def stand_ins(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
-    monkeypatch.setattr(capture_streams, "_HELD", weakref.WeakValueDictionary())
+    monkeypatch.setattr(capture_streams, "_HELD", set())
+    monkeypatch.setattr(capture_streams, "_HeldStream",
+                        type("_HeldStandIn", (capture_streams._GivesBack, _Stream), {}))
 
 
 def test_a_graph_given_up_lives_until_every_graph_of_its_stream_goes(stand_ins):
@@ -70,6 +72,20 @@ def test_a_stream_stays_held_while_a_replayer_keeps_its_graphs(stand_ins):
     gc.collect()
     assert ref() is None and handle not in capture_streams._HELD
     assert private_stream().cuda_stream == handle   # free again: the round-robin comes back to it
+
+
+def test_a_held_stream_is_never_weakly_referenced_and_gives_its_handle_back(stand_ins):
+    """torch 2.10-2.12 free a ``torch.cuda.Stream`` without clearing the weak references to it
+    (pytorch/pytorch#183403): a weak reference to a held stream (a WeakValueDictionary of them)
+    dangles, and the collector that walks it later crashes. The held set keeps handles only."""
+    stream = private_stream()
+    handle = stream.cuda_stream
+    assert weakref.getweakrefcount(stream) == 0, "a weak reference to a held stream"
+    assert handle in capture_streams._HELD
+    del stream
+    assert handle not in capture_streams._HELD, "a freed stream still counts as held"
+    others = [private_stream() for _ in range(31)]   # the other 31 handles, then this one again
+    assert private_stream().cuda_stream == handle and len(others) == 31
 
 
 def test_only_a_graph_of_the_stream_can_be_given_up(stand_ins):
@@ -167,3 +183,18 @@ def test_a_failed_capture_keeps_the_workspace_the_graphs_before_it_replay_with()
     replay3, reason = backend.lower(piece(lambda x, w: (x @ w * 3,), [False, True]), (x, w))
     assert reason is None and backend.captured == 2, "a capture after the failed ones"
     assert torch.equal(replay3([x, w])[0], x @ w * 3) and torch.equal(replay([x, w])[0], x @ w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_held_cuda_streams_freed_and_collected_give_their_handles_back():
+    """torch's own streams, taken and freed over and over with collections in between (what lanes
+    and steps do over a server's life): none is weakly referenced, and each handle comes back."""
+    for _ in range(20):
+        held = [private_stream() for _ in range(8)]
+        handles = {s.cuda_stream for s in held}
+        assert len(handles) == 8 and handles <= capture_streams._HELD
+        assert not any(weakref.getweakrefcount(s) for s in held), "a weakly referenced stream"
+        del held
+        gc.collect()
+        assert not handles & capture_streams._HELD, "a freed stream still counts as held"
