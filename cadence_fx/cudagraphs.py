@@ -208,14 +208,16 @@ class CudaGraphBackend:
         stream = self._stream()
         graph = self._side.graph()
         with GLOBAL_STATE.exclusive():
-            rng = RngSnapshot()
+            rng, current = RngSnapshot(), torch.cuda.current_stream()
             try:
                 with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, stream=stream,
                                                        capture_error_mode="thread_local"):
                     outs = piece.module(*static)
             except BaseException:
+                # torch.cuda.graph leaves the capture stream current when its end fails
+                torch.cuda.set_stream(current)
                 self._side.give_up(graph)
-                _end_allocation(self._side.device, self.pool)
+                self.pool = _end_allocation(self._side.device, self.pool, graph)
                 _out_of_capture(self._side)
                 torch.cuda.synchronize()
                 rng.restore()   # a capture cut short leaves the generators as they were
@@ -339,17 +341,28 @@ class SharedExclusive:
 GLOBAL_STATE = SharedExclusive()
 
 
-def _end_allocation(device: torch.device, pool) -> None:
-    """Stop routing allocations to ``pool`` after a failed capture. A capture whose end fails
-    (``cudaStreamEndCapture`` reports it invalidated, as after a host sync inside it) raises
-    before torch ends the pool's allocation (``CUDAGraph::capture_end``): the pool then stays
-    recording and every later capture into it fails ("beginAllocateToPool: already recording
-    to mempool_id", seen on the H200 with torch 2.11). Where the capture ended its allocation
-    already, torch says the pool is not recording, and there is nothing to do."""
+# graphs whose capture failed after torch's pinned-memory allocator began routing to their pool:
+# it keeps a filter that reads the graph for the life of the process (``_end_allocation``)
+_FAILED_CAPTURES: List[torch.cuda.CUDAGraph] = []
+
+
+def _end_allocation(device: torch.device, pool, graph: torch.cuda.CUDAGraph):
+    """Stop routing allocations to ``pool`` after ``graph``'s capture failed; returns the pool
+    the next capture takes. A capture whose end fails (``cudaStreamEndCapture`` reports it
+    invalidated, as after a host sync inside it) raises before torch ends the pool's allocation
+    (``CUDAGraph::capture_end``), on the device and on the pinned host memory (the host
+    allocator routes to graph pools too, since torch 2.11): every later capture into that pool
+    then fails ("beginAllocateToPool: already recording to mempool_id", seen on the H200). The
+    device's allocation is ended here; the host allocator's has no binding to end it, so the
+    next captures take a new pool, and ``graph`` stays alive for good: the host allocator's
+    routing filter reads it at every pinned allocation. (Where the capture ended its allocation
+    itself, torch says the pool is not recording: the pool is kept.)"""
     try:
         torch._C._cuda_endAllocateToPool(device.index, pool)
     except RuntimeError:
-        pass
+        return pool   # the capture's end ran: nothing of it still routes to the pool
+    _FAILED_CAPTURES.append(graph)
+    return torch.cuda.graph_pool_handle()
 
 
 def _out_of_capture(side: CaptureStream) -> None:

@@ -126,25 +126,43 @@ def test_a_failed_capture_ends_its_pools_allocation_and_keeps_both_its_graphs(st
             raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(torch.cuda, "graph", Invalidated)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 8))
+    monkeypatch.setattr(cudagraphs, "_FAILED_CAPTURES", [])
+    current = ["caller's"]   # torch.cuda.graph leaves the capture stream current: put it back
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(0, s))
     backend = cudagraphs.CudaGraphBackend()
     backend.pool = (0, 7)
+
+    def piece(*args):
+        current[0] = "capture stream"
+        return args
+
     with pytest.raises(RuntimeError, match="not permitted"):
-        backend._capture(types.SimpleNamespace(module=lambda *args: args), [])
+        backend._capture(types.SimpleNamespace(module=piece), [])
     assert ended == [(0, (0, 7))]
+    assert current == ["caller's"], "the capture stream stayed current after the failed capture"
     side = backend._side
     assert (len(side), side.given_up, backend.graphs_given_up) == (2, 2, 2)
     failed, empty = side._graphs
     assert not hasattr(failed, "begun") and empty.begun and empty.ended   # out of capture mode
+    # torch's pinned-memory allocator still routes to (0, 7) through a filter that reads the
+    # failed graph: the next capture takes a new pool, and the graph lives on
+    assert backend.pool == (0, 8) and cudagraphs._FAILED_CAPTURES == [failed]
 
 
-def test_ending_an_allocation_that_already_ended_is_nothing(monkeypatch):
+def test_ending_an_allocation_that_already_ended_keeps_the_pool(monkeypatch):
+    """A capture whose own end ran ended its pool's allocation on the device and the host: the
+    pool stays, and no graph is kept for the host allocator."""
     from cadence_fx import cudagraphs
 
     def not_recording(device, pool):
         raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
 
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", not_recording, raising=False)
-    cudagraphs._end_allocation(torch.device("cuda", 0), (0, 7))   # no error
+    monkeypatch.setattr(cudagraphs, "_FAILED_CAPTURES", [])
+    assert cudagraphs._end_allocation(torch.device("cuda", 0), (0, 7), _Graph()) == (0, 7)
+    assert cudagraphs._FAILED_CAPTURES == []
 
 
 @pytest.mark.gpu
