@@ -69,6 +69,13 @@ class CudaGraphBackend:
     def lower(self, piece, args) -> Tuple[Optional[Callable], Optional[str]]:
         if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
             return None, "no CUDA tensor among the piece's inputs"
+        # alone from here: it synchronizes the device and empties the cache, which fail while
+        # another thread captures ("operation not permitted when stream is capturing", a lane
+        # thread lowering a piece while another lane's thread captured, on the H200)
+        with GLOBAL_STATE.exclusive():
+            return self._lower(piece, args)
+
+    def _lower(self, piece, args) -> Tuple[Optional[Callable], Optional[str]]:
         if not self._graphs:
             # No graph of this backend lives in the pool: start a new one. A pool whose graphs
             # were all released is being freed by the allocator, and its handle would trip the

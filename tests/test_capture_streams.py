@@ -185,6 +185,7 @@ def test_a_failed_capture_keeps_the_workspace_the_graphs_before_it_replay_with()
         x @ w                     # side stream's workspace made, before anything is captured
     replay, reason = backend.lower(piece(lambda x, w: (x @ w,), [False, True]), (x, w))
     assert reason is None and backend.captured == 1
+    gc.collect()   # earlier tests' garbage in this process is not what is measured
     before = torch.cuda.memory_allocated()
     syncs = piece(lambda x, w: ((x @ w) * (x @ w).sum().item(),), [False, True])
     replay2, reason = backend.lower(syncs, (x, w))
@@ -193,7 +194,9 @@ def test_a_failed_capture_keeps_the_workspace_the_graphs_before_it_replay_with()
     assert backend.graphs_given_up == 4   # two captures tried, each with its empty capture
     gc.collect()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() >= before, "the side stream's workspace was freed"
+    # a freed workspace is megabytes (cuBLAS's is 32 MiB on Hopper): a few kilobytes less are
+    # the failed captures' own garbage
+    assert torch.cuda.memory_allocated() > before - (1 << 20), "the workspace was freed"
     torch.cuda.empty_cache()   # a freed workspace would now be unmapped, or taken by this:
     junk = [torch.full((1 << 23,), float("nan"), device="cuda") for _ in range(8)]
     assert torch.equal(replay([x, w])[0], x @ w)

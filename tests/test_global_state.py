@@ -4,6 +4,7 @@ traces with fake tensors swapped into the module, a stock call writes the module
 preparation puts the generators back: nothing else may run the module or draw meanwhile."""
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -259,3 +260,34 @@ def test_seeded_opens_beside_another_lanes_drawing_chunks_never_deadlock(eager_s
     want = [y for y, _ in stream(model, xs, zero, None, reset_at=len(xs), mode=torch.inference_mode,
                                  before=lambda i: i or torch.manual_seed(100))]
     assert [torch.equal(a, b) for a, b in zip(got, want)] == [True] * len(xs)
+
+
+def test_a_piece_lowers_alone_since_it_synchronizes_the_device(monkeypatch):
+    """``lower`` synchronizes the device and empties the allocator's cache before it captures:
+    both fail while another thread captures ("operation not permitted when stream is
+    capturing", a lane thread lowering while another lane's thread captured). So the whole of
+    it holds ``GLOBAL_STATE`` alone, like the capture; checked with torch's calls stood in for."""
+    from cadence_fx import cudagraphs
+
+    class CudaLike(torch.Tensor):
+        is_cuda = True
+
+    held = []
+
+    def record(name):
+        return lambda *a: held.append((name, GLOBAL_STATE._owner == threading.get_ident()))
+
+    monkeypatch.setattr(torch.cuda, "synchronize", record("synchronize"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", record("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    event = types.SimpleNamespace(record=lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: event)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)
+    backend = cudagraphs.CudaGraphBackend()
+    monkeypatch.setattr(backend, "_capture_or_retry", lambda *a: "capture failed: stood in")
+    x = torch.Tensor._make_subclass(CudaLike, torch.zeros(2))
+    piece = types.SimpleNamespace(module=torch.nn.Identity(), fixed=[True], piece_name="p")
+    assert backend.lower(piece, [x]) == (None, "capture failed: stood in")
+    assert held == [("synchronize", True), ("empty_cache", True)], held
+    assert GLOBAL_STATE._owner is None
