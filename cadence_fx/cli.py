@@ -304,10 +304,20 @@ def _cache_parser(sub) -> None:
     c.set_defaults(run=_cache)
 
 
+def _served_model(name: str) -> str:
+    if name in MODELS or (":" in name and all(name.partition(":")[::2])):
+        return name
+    raise argparse.ArgumentTypeError(f"{name!r}: choose one of {', '.join(MODELS)}, or give "
+                                     "your own model as package.module:factory")
+
+
 def _serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="serve a model's sessions over WebSockets through Ray Serve "
                                      "(needs the serve extra; docs/serving.md)")
-    s.add_argument("--model", default="toy", choices=list(MODELS))
+    s.add_argument("--model", default="toy", type=_served_model,
+                   help=f"{', '.join(MODELS)}, or your own as package.module:factory (a "
+                        "function of (device, cache_dir, full) returning a ServedModel; "
+                        "docs/serving.md)")
     s.add_argument("--replicas", type=int, default=1, help="one per GPU (default 1)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)

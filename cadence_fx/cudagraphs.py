@@ -360,10 +360,11 @@ def _end_allocation(device: torch.device, pool, graph: torch.cuda.CUDAGraph):
     (``CUDAGraph::capture_end``), on the device and on the pinned host memory (the host
     allocator routes to graph pools too, since torch 2.11): every later capture into that pool
     then fails ("beginAllocateToPool: already recording to mempool_id", seen on the H200). The
-    device's allocation is ended here; the host allocator's has no binding to end it, so the
-    next captures take a new pool, and ``graph`` stays alive for good: the host allocator's
-    routing filter reads it at every pinned allocation. (Where the capture ended its allocation
-    itself, torch says the pool is not recording: the pool is kept.)"""
+    device's allocation is ended here, but on the H200 (torch 2.11) that alone left the pool
+    refusing captures; the host allocator's (found in torch's source) has no binding to end it.
+    So the next captures take a new pool, and ``graph`` stays alive for good: the host
+    allocator's routing filter reads it at every pinned allocation. (Where the capture ended its
+    allocation itself, torch says the pool is not recording: the pool is kept.)"""
     try:
         torch._C._cuda_endAllocateToPool(device.index, pool)
     except RuntimeError:

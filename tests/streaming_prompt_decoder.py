@@ -29,8 +29,8 @@ from torch import nn
 from cadence_fx.contract import APPEND, Adapter, PromptRetained, Region, SlidingWindow
 from helpers import seed_weights
 
-__all__ = ["PromptDecoder", "prompt_adapter", "make_decoder", "serve", "LAYERS", "PROMPT",
-           "RETAINED", "CHUNK", "FLUSH"]
+__all__ = ["PromptDecoder", "prompt_adapter", "make_decoder", "serve", "served", "LAYERS",
+           "PROMPT", "RETAINED", "CHUNK", "FLUSH"]
 
 LAYERS, D_MODEL, HEADS, HIST, VOCAB, BINS = 2, 48, 4, 16, 96, 20
 PROMPT, RETAINED, CHUNK, FLUSH = 12, 20, 4, 2
@@ -155,3 +155,32 @@ def serve(step, device="cpu", seed: int = 3) -> List[tuple]:
                     y, state = step(tokens(width), state)
                     calls.append((y.clone(), {k: v.clone() for k, v in state.items()}))
     return calls
+
+
+def served(device, cache_dir=None, full=None):
+    """The decoder as ``cadence_fx.serve`` serves it (``build("streaming_prompt_decoder:served")``):
+    a session opens primed with its speaker's prompt (``{"tokens": (1, PROMPT) int64}``, or a
+    default speaker's), and each chunk sends ``{"tokens": (1, frames) int64}`` and gets
+    ``{"mel": (1, frames, BINS)}`` back; a turn ends on a partial chunk (``FLUSH`` frames)."""
+    import cadence_fx
+    from cadence_fx.serve.models import ServedModel, need
+    model = make_decoder(APPEND, device)
+    default = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(11))
+
+    def start(prompt):   # the speaker's priming pass: the stock step on the prompt, no state yet
+        tokens = need(prompt, "tokens", (1, PROMPT)) if prompt else default
+        with torch.no_grad():
+            _, state = model(tokens.to(device), None)
+        return {"step": {k: v.clone() for k, v in state.items()}}
+
+    def chunk(run, inputs, last):
+        return {"mel": run("step", need(inputs, "tokens", (1, None)).to(device))[0]}
+
+    def example(seed, i):   # eight chunks fill the caches to prompt + history; the ninth flushes
+        g = torch.Generator().manual_seed(1000 * seed + i)
+        return {"tokens": torch.randint(0, VOCAB, (1, FLUSH if i == 8 else CHUNK), generator=g)}
+
+    compiled = cadence_fx.compile(model, prompt_adapter(APPEND), cache_dir=cache_dir)
+    return ServedModel("prompt-decoder", {"step": model}, {"step": compiled}, start, chunk,
+                       example, deadline_ms=80.0, warm_chunks=9,
+                       config={"layers": LAYERS, "prompt": PROMPT, "retained": RETAINED})

@@ -5,10 +5,13 @@ against each session run alone on the stock step; a replica killed mid-stream gi
 shared compile cache and traces none; a load of three concurrent clients per replica on loopback,
 every session exact and no chunk stalled; draining a replica in place (no redeploy: the
 WebSocket stays open) lets its live sessions end their turn while new sessions open on the other
-replica. Skipped when Ray is not installed (``pip install .[serve]``)."""
+replica; one's own model (the tests' speaker-prompted decoder) served by its import path, exact.
+Skipped when Ray is not installed (``pip install .[serve]``)."""
 import collections
 import concurrent.futures
 import json
+import os
+import pathlib
 import socket
 import time
 import urllib.request
@@ -77,7 +80,16 @@ def cluster(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    tests = str(pathlib.Path(__file__).parent)   # the replicas import the tests' own model
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, path]))
+    try:   # Ray's processes start with this environment
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    finally:
+        if path is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = path
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         c = Cluster(port, tmp_path_factory.mktemp("serve-cache"))
@@ -256,3 +268,40 @@ def test_draining_a_replica_ends_its_sessions_with_their_turn_and_opens_elsewher
         again = client.open(seed=61)
         play(again, StockSession(toy, seed=61), inputs(61), range(len(WIDTHS)))
         again.close()
+
+
+def test_an_own_model_is_served_by_its_import_path_exact_against_stock(cluster):
+    """The self-written speaker-prompted decoder, deployed beside the toy as
+    ``streaming_prompt_decoder:served`` (the replica imports it): two speakers, each primed with
+    its own prompt, two turns each ending on a partial chunk, every chunk exact against the
+    speaker alone on the stock step, from the session's own replica, on the compiled path."""
+    from streaming_prompt_decoder import CHUNK, FLUSH, PROMPT, VOCAB
+    own = "streaming_prompt_decoder:served"
+    serve.run(build_app(own, 1, cache_dir=cluster.cache_dir, num_cpus=0.5, threads=1),
+              name="own", route_prefix="/own")
+    try:
+        model = build(own)
+        url = f"ws://127.0.0.1:{cluster.port}/own/v1/stream"
+        with StreamClient(url) as client:
+            for speaker in (1, 2):
+                g = torch.Generator().manual_seed(speaker)
+                prompt = {"tokens": torch.randint(0, VOCAB, (1, PROMPT), generator=g)}
+                s, ref = client.open(prompt=prompt), StockSession(model, prompt=prompt)
+                for turn in range(2):
+                    widths = [CHUNK] * 9 + [FLUSH]
+                    for i, w in enumerate(widths):
+                        x = {"tokens": torch.randint(0, VOCAB, (1, w), generator=g)}
+                        last = i == len(widths) - 1
+                        out = s.chunk(last=last, **x)
+                        assert s.last_reply["replica"] == s.replica
+                        assert torch.equal(out["mel"], ref.chunk(x, last=last)["mel"]), \
+                            (speaker, turn, i)
+                    s.reset()
+                    ref.reset()
+                stats = s.stats()
+                assert stats["model"] == "prompt-decoder"
+                assert stats["counters"]["compiled_calls"] >= 20 * speaker
+                assert stats["counters"]["fallbacks"] == 0
+                s.close()
+    finally:
+        serve.delete("own")

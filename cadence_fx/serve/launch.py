@@ -49,6 +49,13 @@ def serve_locally(args) -> int:
     import ray
     from ray import serve
     from cadence_fx.compile_cache import default_dir
+    if ":" in args.model:   # one's own model: importable here, or the replicas fail to start
+        from .models import _factory
+        try:
+            _factory(args.model)
+        except ValueError as e:
+            print(f"cadence-fx serve: {e}", file=sys.stderr)
+            return 2
     from .gateway import build_app
     if args.address is None:
         inline_replies()

@@ -9,19 +9,21 @@ reference, so what a test or a benchmark compares is the step, never two copies 
 
 Models (``build(name, ...)``): ``toy`` (the demo's prompt-retained attention toy, 4 x 256),
 ``token2wav`` (MiniCPM-o 4.5 flow + HiFT; the demo's CPU size unless ``full``), ``freeze-omni``
-(the 24 x 1024 streaming encoder) and ``moshi`` (Mimi + LM frame; a 2-layer LM unless ``full``).
+(the 24 x 1024 streaming encoder) and ``moshi`` (Mimi + LM frame; a 2-layer LM unless ``full``);
+or one's own, ``"package.module:factory"`` (docs/serving.md, Serving your own model).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from cadence_fx.cudagraphs import GLOBAL_STATE
 
-__all__ = ["ServedModel", "StockSession", "build", "MODELS"]
+__all__ = ["ServedModel", "StockSession", "build", "need", "MODELS"]
 
 Tensors = Dict[str, torch.Tensor]
 
@@ -110,7 +112,7 @@ def _clone(x):
     return x
 
 
-def _need(inputs: Tensors, name: str, shape) -> torch.Tensor:
+def need(inputs: Tensors, name: str, shape) -> torch.Tensor:
     """``inputs[name]``, checked against ``shape`` (None: any size on that dimension)."""
     t = inputs.get(name)
     if t is None:
@@ -133,13 +135,13 @@ def _toy(device, cache_dir, full) -> ServedModel:
     default = torch.randn(1, c["f_prompt"], 256, generator=torch.Generator().manual_seed(7))
 
     def start(prompt):   # the priming pass: the stock step on the prompt, no state yet
-        x = _need(prompt, "prompt", (1, c["f_prompt"], 256)) if prompt else default
+        x = need(prompt, "prompt", (1, c["f_prompt"], 256)) if prompt else default
         with torch.no_grad():
             _, state = model(x.to(device), None)
         return {"step": {k: v.clone() for k, v in state.items()}}
 
     def chunk(run, inputs, last):
-        x = _need(inputs, "x", (1, None, 256)).to(device)
+        x = need(inputs, "x", (1, None, 256)).to(device)
         return {"y": run("step", x)[0]}
 
     def example(seed, i):
@@ -176,7 +178,7 @@ def _token2wav(device, cache_dir, full) -> ServedModel:
         return {"flow": prompt_state, "hift": empty_hift_cache(device)}
 
     def chunk(run, inputs, last):
-        tokens = _need(inputs, "tokens", (1, 28)).to(device)
+        tokens = need(inputs, "tokens", (1, 28)).to(device)
         with autocast():
             mel, _ = run("flow", tokens, spk, last_chunk=last)
         pcm, _ = run("hift", mel, last_chunk=last)
@@ -201,7 +203,7 @@ def _freeze_omni(device, cache_dir, full) -> ServedModel:
         return {"encoder": enc.initial_state()}
 
     def chunk(run, inputs, last):
-        return {"y": run("encoder", _need(inputs, "feats", (1, 16, 80)).to(device))[0]}
+        return {"y": run("encoder", need(inputs, "feats", (1, 16, 80)).to(device))[0]}
 
     def example(seed, i):
         return {"feats": torch.randn(1, 16, 80, generator=torch.Generator().manual_seed(1000 * seed + i))}
@@ -226,7 +228,7 @@ def _moshi(device, cache_dir, full) -> ServedModel:
         return {"frame": step.initial_state()}
 
     def chunk(run, inputs, last):
-        pcm, tokens, _ = run("frame", _need(inputs, "pcm", (1, 1, 1920)).to(device))
+        pcm, tokens, _ = run("frame", need(inputs, "pcm", (1, 1, 1920)).to(device))
         return {} if pcm is None else {"pcm": pcm, "tokens": tokens}   # the LM's delays fill
 
     def example(seed, i):
@@ -241,7 +243,35 @@ MODELS = tuple(_BUILDERS)
 
 
 def build(name: str, device="cpu", cache_dir=None, full: Optional[bool] = None) -> ServedModel:
-    """The served model ``name`` on ``device``, its steps compiled with ``cache_dir``."""
-    if name not in _BUILDERS:
-        raise ValueError(f"no served model {name!r}; choose one of {', '.join(MODELS)}")
-    return _BUILDERS[name](torch.device(device), cache_dir, full)
+    """The served model ``name`` on ``device``, its steps compiled with ``cache_dir``: one of
+    ``MODELS``, or one's own as ``"package.module:factory"``, where ``factory(device, cache_dir,
+    full)`` returns a ``ServedModel`` (each replica imports it, so the module must be importable
+    in every replica's process: installed, or on the ``PYTHONPATH`` Ray's workers start with)."""
+    if name in _BUILDERS:
+        return _BUILDERS[name](torch.device(device), cache_dir, full)
+    if ":" not in name:
+        raise ValueError(f"no served model {name!r}; choose one of {', '.join(MODELS)}, or give "
+                         "your own as 'package.module:factory' (a function of (device, "
+                         "cache_dir, full) returning a ServedModel)")
+    factory = _factory(name)
+    model = factory(torch.device(device), cache_dir, full)
+    if not isinstance(model, ServedModel):
+        raise TypeError(f"served model {name!r}: {name.partition(':')[2]}(device, cache_dir, full) "
+                        f"returned {type(model).__name__}; return a "
+                        "cadence_fx.serve.models.ServedModel")
+    return model
+
+
+def _factory(name: str) -> Callable:
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"served model {name!r}: cannot import {module_name!r} ({e}); install it "
+                         "or put its folder on PYTHONPATH before Ray starts (each replica "
+                         "imports it)") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"served model {name!r}: {module_name!r} has no function {attr!r}; "
+                         "name a function of (device, cache_dir, full) returning a ServedModel")
+    return factory
