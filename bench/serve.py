@@ -2,6 +2,7 @@
 
     python bench/serve.py --out bench/results/DATE-h200-serve.json [--ns 4,8,10,12,14]
         [--rounds 6] [--gpus 1|2] [--lanes L] [--clients session|lane] [--cache-dir DIR]
+        [--direct] [--switch-interval-ms MS]
     python bench/serve.py --out /tmp/serve.json --model toy --device cpu --ns 2 --rounds 2   # harness
 
 Both paths serve N Token2Wav sessions (flow + HiFT, the real configuration on CUDA, every session
@@ -31,6 +32,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -141,7 +143,7 @@ def exact(a, b):
                for sa, sb in zip(a, b) for x, y in zip(sa, sb))
 
 
-def start_ray(name, gpus, cache_dir, port, lanes, direct=False):
+def start_ray(name, gpus, cache_dir, port, lanes, direct=False, switch_interval_ms=None):
     import ray
     from ray import serve
     from cadence_fx.serve import build_app
@@ -150,7 +152,8 @@ def start_ray(name, gpus, cache_dir, port, lanes, direct=False):
     ray.init(num_gpus=gpus, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(name, max(gpus, 1), cache_dir=cache_dir, num_gpus=1 if gpus else 0,
-                        lanes=lanes, direct_host="127.0.0.1" if direct else None),
+                        lanes=lanes, direct_host="127.0.0.1" if direct else None,
+                        switch_interval_ms=switch_interval_ms),
               name="bench", route_prefix="/")
     return f"ws://127.0.0.1:{port}/v1/stream"
 
@@ -175,17 +178,23 @@ def main():
                     help="session: every session sends from a thread (and connection) of its own, "
                          "as conversations do, on both paths; lane: one thread per lane sends "
                          "its sessions' chunks in turn (a chunk's transport then delays the next)")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="sys.setswitchinterval in this process (the in-process path) and in "
+                         "each replica (default: Python's 5 ms)")
     ap.add_argument("--direct", action="store_true",
                     help="also measure each row over direct connections to the replicas "
                          "(rows' ray_direct; docs/serving.md, Direct connections)")
     args = ap.parse_args()
+    if args.switch_interval_ms is not None:   # the in-process path as the replicas
+        from cadence_fx.serve.replica import process_settings
+        process_settings(None, args.switch_interval_ms)
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="cfx-serve-")
     model = build(args.model, args.device, cache_dir)
     engine = PoolEngine(model, lanes=args.lanes)
     warm = engine.warm()          # fills the cache the replicas start from
     ns = [int(n) for n in args.ns.split(",")]
     url = start_ray(args.model, args.gpus if args.device == "cuda" else 0, cache_dir, args.port,
-                    args.lanes, args.direct)
+                    args.lanes, args.direct, args.switch_interval_ms)
     rows = []
     for n in ns:   # the result is written after every row: a run cut short keeps what it measured
         before = engine.counters()
@@ -213,6 +222,7 @@ def result_of(rows, args, warm):
     return {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
             "commit": os.environ.get("CADENCE_COMMIT", "unknown"), "gpus": args.gpus,
             "lanes": args.lanes, "clients": args.clients,
+            "switch_interval_ms": sys.getswitchinterval() * 1e3,
             "rounds": args.rounds, "budget_ms": BUDGET_MS, "warm": warm, "rows": rows,
             "inprocess_realtime_sessions": best_local, "ray_realtime_sessions": best_ray,
             "ray_vs_inprocess_sessions": best_ray / best_local if best_local else None,

@@ -150,3 +150,27 @@ def test_a_direct_open_on_a_deployment_without_direct_connections_says_how_to_se
     replica.direct, replica.draining = None, False
     header, _ = decode(replica._open({"op": "open", "direct": True}, {}))
     assert header["code"] == "bad_request" and "build_app(direct_host=...)" in header["message"]
+
+
+def test_a_replicas_switch_interval_is_set_for_its_process_and_checked():
+    """``switch_interval_ms`` (``build_app``, ``cadence-fx serve --switch-interval-ms``): the
+    replica's ``sys.setswitchinterval``; a value that is not a positive number of milliseconds is
+    refused before anything starts."""
+    import sys
+    pytest.importorskip("ray.serve")
+    from cadence_fx.serve import build_app
+    from cadence_fx.serve.replica import process_settings
+    before = sys.getswitchinterval()
+    try:
+        process_settings(None, 0.5)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        process_settings(None, None)   # left as it is
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="positive number of milliseconds"):
+            process_settings(None, bad)
+        with pytest.raises(ValueError, match="positive number of milliseconds"):
+            build_app("toy", switch_interval_ms=bad)
+    assert sys.getswitchinterval() == before

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import sys
 import threading
 from typing import Optional
 
@@ -66,13 +67,27 @@ class _Metrics:
             m.set_default_tags({"model": model, "replica": replica})
 
 
+def process_settings(threads: Optional[int], switch_interval_ms: Optional[float]) -> None:
+    """What the replica sets for its whole process: torch's CPU threads, and how long a thread
+    holding the GIL keeps it while another asks (``sys.setswitchinterval``; Python's default is
+    5 ms). A replica's worker threads spend most of a chunk in Python queuing its kernels, and its
+    event loop needs the GIL for every message it receives or sends; a shorter interval hands it
+    over sooner."""
+    if switch_interval_ms is not None:
+        if not switch_interval_ms > 0:
+            raise ValueError(f"switch_interval_ms={switch_interval_ms!r}: give a positive number "
+                             "of milliseconds (Python's default is 5), or None to leave it")
+        sys.setswitchinterval(switch_interval_ms / 1e3)
+    if threads:
+        torch.set_num_threads(threads)
+
+
 class SessionReplica:
     def __init__(self, model: str, cache_dir: Optional[str] = None, device: str = "auto",
                  full: Optional[bool] = None, threads: Optional[int] = None,
                  deadline_ms: Optional[float] = None, lanes: int = 1, workers: int = 64,
-                 direct_host: Optional[str] = None):
-        if threads:
-            torch.set_num_threads(threads)
+                 direct_host: Optional[str] = None, switch_interval_ms: Optional[float] = None):
+        process_settings(threads, switch_interval_ms)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.tag = serve.get_replica_context().replica_id.unique_id
@@ -164,6 +179,7 @@ class SessionReplica:
                 "live_sessions": self.engine.live, "draining": self.draining,
                 "drained": self.draining and not self.engine.live, "lanes": self.engine.lanes,
                 "deadline_ms": self.deadline_ms, "warm": self.warm,
+                "switch_interval_ms": sys.getswitchinterval() * 1e3,
                 "counters": self.engine.counters(), **self.tally}
 
     # -- the operations ---------------------------------------------------------------------
