@@ -515,6 +515,9 @@ def _args():
     ap.add_argument("--ref-workers", type=int, default=None,
                     help="processes that run the stock references after each row (default: 8 "
                          "on CUDA, 1 = in this process)")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="sys.setswitchinterval for the run (lane threads and the loop share the "
+                         "GIL; default: Python's 5 ms)")
     ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                     help="leave the objects start-up made to the collector (default: gc.freeze())")
     return ap.parse_args()
@@ -526,6 +529,11 @@ def main():
     DEVICE = args.device
     if args.ref_workers is None:
         args.ref_workers = 8 if DEVICE == "cuda" else 1
+    if args.switch_interval_ms is not None:
+        if not args.switch_interval_ms > 0:
+            raise SystemExit(f"--switch-interval-ms {args.switch_interval_ms}: give a positive "
+                             "number of milliseconds")
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     start = time.perf_counter()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     cadence_fx.pin_deterministic_kernels()
@@ -575,6 +583,7 @@ def main():
         gc.collect()
         gc.freeze()
     result["gc_frozen_objects"] = gc.get_freeze_count()
+    result["switch_interval_ms"] = sys.getswitchinterval() * 1e3
     save()
     _lane_rows(result, served, flow, hift, lanes, args, start, save)
     result["moshi_conversations_per_gpu"] = None
