@@ -337,8 +337,8 @@ def _serve_parser(sub) -> None:
                         "own, bound to --host, for sessions opened with direct=True "
                         "(docs/serving.md, Direct connections)")
     s.add_argument("--switch-interval-ms", type=float, default=None,
-                   help="each replica's sys.setswitchinterval: how soon a thread queuing kernels "
-                        "hands the GIL to the replica's network loop (default: Python's 5 ms)")
+                   help="each replica's sys.setswitchinterval: how soon a worker thread hands "
+                        "the GIL to the replica's network loop (default: Python's 5 ms)")
     s.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds Ctrl-C waits for live sessions to end their turn")
     s.set_defaults(run=_serve)

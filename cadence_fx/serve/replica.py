@@ -70,9 +70,9 @@ class _Metrics:
 def process_settings(threads: Optional[int], switch_interval_ms: Optional[float]) -> None:
     """What the replica sets for its whole process: torch's CPU threads, and how long a thread
     holding the GIL keeps it while another asks (``sys.setswitchinterval``; Python's default is
-    5 ms). A replica's worker threads spend most of a chunk in Python queuing its kernels, and its
-    event loop needs the GIL for every message it receives or sends; a shorter interval hands it
-    over sooner."""
+    5 ms). The replica's worker threads run each chunk's Python, and its event loop needs the
+    GIL for every message it receives or sends: a shorter interval hands it over sooner, at the
+    price of more switching (docs/serving.md says what is measured)."""
     if switch_interval_ms is not None:
         if not switch_interval_ms > 0:
             raise ValueError(f"switch_interval_ms={switch_interval_ms!r}: give a positive number "
