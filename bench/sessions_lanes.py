@@ -377,6 +377,7 @@ def _row(flow, hift, served, lanes, n, args):
             "sessions_served": len(results),
             "realtime": report["deadline_misses"] == 0, "all_bit_exact": all(exact),
             "sessions_bit_exact": sum(exact), "wall_s": time.perf_counter() - t0,
+            "traffic_s": t_ref - t0,   # the served traffic alone, before the references
             "references_s": references_s, "reference_workers": _REFERENCES["workers"],
             "references_processes_checked": _REFERENCES["processes_checked"],
             "max_memory_allocated": torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0,
