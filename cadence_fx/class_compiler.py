@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import pickle
 import time
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
@@ -138,7 +139,7 @@ def _enter(cs, key, label: str, traced, gm, ctx, bindings, replaced: set,
         traced_nodes=len(traced.gm.graph.nodes))
     cs.store.add(entry)
     _warn_room(cs, key, writes)
-    if cs.compile_cache is not None:
+    if cs.compile_cache is not None or cs.store.shares_classes():
         _store_compiled(cs, entry, private, newly_replaced,
                         {b.region.name: carry_like(b.carry.tensor) for b in bindings})
     log.info("class %s compiled: %d nodes traced in %.2fs", key[0], len(traced.gm.graph.nodes),
@@ -176,11 +177,18 @@ def _keep_buffers(cs, key, records: Records, replaced: set, newly_replaced, priv
 
 
 def _load_compiled(cs, key, named, replaced: set, label: str) -> Optional[ClassEntry]:
-    """The class as the persistent compile cache stored it after its passes (``stored_class``):
-    no trace, no passes, no probationary call. None when it is not there or cannot be used."""
-    if cs.compile_cache is None or cs.config.verify:
+    """The class as another lane of the pool froze it, or as the persistent compile cache stored
+    it after its passes (``stored_class``): no trace, no passes, no probationary call. None when
+    it is not there or cannot be used."""
+    if cs.config.verify:
         return None
-    payload = cs.compile_cache.load_class(key)
+    frozen = cs.store.shared_class(key)
+    if frozen is not None:
+        payload = pickle.loads(frozen)   # a copy of its own: constants are per step
+    elif cs.compile_cache is not None:
+        payload = cs.compile_cache.load_class(key)
+    else:
+        return None
     if payload is None:
         return None
     missing = stored_class.missing_state(cs, payload)
@@ -199,25 +207,33 @@ def _load_compiled(cs, key, named, replaced: set, label: str) -> Optional[ClassE
                 shape=shape, dtype=dtype, device=torch.device(device)), cs.carries)
     try:
         entry = ClassEntry(key=key, **stored_class.thaw(cs, payload, label))
-    except Exception as e:  # noqa: BLE001 - a cache entry must never break a compile
-        cs.compile_cache.unusable(cs.compile_cache.path(key, "class"),
-                                  f"not loadable here ({type(e).__name__}: {e})")
+    except Exception as e:  # noqa: BLE001 - a stored class must never break a compile
+        why = f"not loadable here ({type(e).__name__}: {e})"
+        if frozen is None:
+            cs.compile_cache.unusable(cs.compile_cache.path(key, "class"), why)
+        else:
+            log.warning("class %s: another lane's compiled class is %s; compiling it", key[0], why)
+            cs.store.unshare_class(key)
         return None
     _keep_buffers(cs, key, entry.records, replaced, payload["replaced"], payload["private"])
     entry.records.load_s = time.perf_counter() - start
     cs.store.add(entry)
     _warn_room(cs, key, entry.records.rewrites)
-    cs.counters.cache_loads += 1
-    cs.counters.compiled_loads += 1
+    if frozen is not None:
+        cs.counters.lane_loads += 1
+    else:
+        cs.counters.cache_loads += 1
+        cs.counters.compiled_loads += 1
     found = fusion.regions(entry.gm)
-    progress.note("%s: loaded compiled from the compile cache in %.2f s (%d nodes traced when "
-                  "stored; %d of %d fused regions' code and verdicts loaded)", label,
-                  entry.records.load_s, entry.traced_nodes, sum(r.loaded for r in found),
-                  len(found))
+    progress.note("%s: loaded compiled from %s in %.2f s (%d nodes traced when stored; %d of %d "
+                  "fused regions' code and verdicts loaded)", label, "another lane" if frozen
+                  else "the compile cache", entry.records.load_s, entry.traced_nodes,
+                  sum(r.loaded for r in found), len(found))
     return entry
 
 
 def _store_compiled(cs, entry: ClassEntry, private, newly_replaced, carries) -> None:
+    """Freeze the class for the compile cache and for the pool's other lanes."""
     try:
         payload = stored_class.freeze(cs, entry, private=private, replaced=list(newly_replaced),
                                       carries=carries)
@@ -225,8 +241,15 @@ def _store_compiled(cs, entry: ClassEntry, private, newly_replaced, carries) -> 
         log.info("class %s is not stored compiled: %s", entry.key[0], e)
         _store_trace(cs, entry.key)
         return
-    cs.compile_cache.store_class(entry.key, payload)
-    cs.store.take_unstored(entry.key)
+    if cs.store.shares_classes():
+        try:
+            cs.store.share_class(entry.key, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception as e:  # noqa: BLE001 - the other lanes then compile it themselves
+            log.info("class %s is not shared with the other lanes: %s: %s", entry.key[0],
+                     type(e).__name__, e)
+    if cs.compile_cache is not None:
+        cs.compile_cache.store_class(entry.key, payload)
+        cs.store.take_unstored(entry.key)
 
 
 def _store_trace(cs, key) -> None:

@@ -5,7 +5,9 @@ with its ``ClassEntry`` (``class_compiler.py``) that the call path runs, or runs
 with the reason (its *verdict*). Beside them the store keeps the traces: shared with other steps
 of the same module and step function (``trace_cache``), else kept as traced for the report's
 before/after view (``keep_before``), and those traced here that the compile cache has not stored
-yet. The class compiler fills the store, the call path, preparation, priming and the report read
+yet, and, between the lanes of one pool (``lanes.py``), each compiled class as frozen for the
+compile cache (``stored_class.freeze``, pickled): a lane thaws its classes from there instead of
+tracing, running the passes and the probationary call again. The class compiler fills the store, the call path, preparation, priming and the report read
 it; every one of them through these methods.
 
 It does not compile, trace or run anything, and it holds no tensors of its own beyond the traces.
@@ -22,12 +24,14 @@ class ClassStore:
     """The classes of one compiled step (of ``module``'s step function ``fn``), by class key."""
 
     def __init__(self, module, fn: Callable, *, trace_cache: Optional[dict] = None,
-                 keep_before: bool = True):
+                 keep_before: bool = True, class_cache: Optional[dict] = None):
         self._entries: Dict[Tuple, object] = {}    # class key -> its ClassEntry
         self._verdicts: Dict[Tuple, str] = {}      # class key -> why it runs the stock step
         self._unstored: Dict[Tuple, object] = {}   # traces not yet in the compile cache
         self._before: Dict[Tuple, object] = {}     # class key -> its trace before the passes
         self._shared = trace_cache                 # shared between compiled steps, if given
+        # class key -> the class frozen and pickled, shared by steps of one adapter and config
+        self._classes = class_cache
         self._keep_before = keep_before
         # a shared trace cache holds several steps' traces: each keyed by module and function
         self._owner = (id(module), getattr(fn, "__func__", fn))
@@ -108,6 +112,31 @@ class ClassStore:
         for key, traced in self._before.items():
             self._shared.setdefault((*self._owner, key), traced)
         return self._shared
+
+    # -- compiled classes shared between lanes --------------------------------------------------
+    def share_classes(self) -> dict:
+        """Share this step's compiled classes from now on (``lanes.py``): every class compiled
+        after this is frozen into the returned dict, which the lanes' stores read. Only steps of
+        the same module, step function, adapter and options may read it: the rewritten graph
+        depends on all of them (a trace depends on the first two only)."""
+        if self._classes is None:
+            self._classes = {}
+        return self._classes
+
+    def shares_classes(self) -> bool:
+        return self._classes is not None
+
+    def shared_class(self, key) -> Optional[bytes]:
+        """The class as another lane (or this step) froze it; None when no lane compiled it."""
+        return None if self._classes is None else self._classes.get(key)
+
+    def share_class(self, key, frozen: bytes) -> None:
+        self._classes[key] = frozen
+
+    def unshare_class(self, key) -> None:
+        """A frozen class that did not load here: the next lane compiles it itself."""
+        if self._classes is not None:
+            self._classes.pop(key, None)
 
     def hold_unstored(self, key, traced) -> None:
         """A trace made here, stored in the compile cache once its class is compiled."""

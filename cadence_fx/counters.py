@@ -28,6 +28,7 @@ class Counters:
     traces: int = 0           # signatures traced
     cache_loads: int = 0      # signatures loaded from the persistent compile cache, not traced
     compiled_loads: int = 0   # of which loaded compiled: no passes, no probationary call either
+    lane_loads: int = 0       # classes thawed from another lane's compiled class (``lanes.py``)
     copied_calls: int = 0     # repeated calls copied into a trace instead of traced again
     released_bytes: int = 0   # stock envelope storage freed now (``release_envelopes``)
     restored_bytes: int = 0   # envelope storage given back for good because the stock step ran

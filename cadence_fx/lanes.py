@@ -8,7 +8,11 @@ chunks of different lanes replay concurrently on the device, the same kernels at
 
 What lanes share: the module (weights are read only), the stock envelopes released by the first
 lane (``release_envelopes``: one ``Envelopes`` lends them to every lane's compile and priming),
-and traces (a lane copies the first lane's traces instead of tracing again).
+traces (a lane copies the first lane's traces instead of tracing again) and compiled classes:
+each class a lane compiles once the pool exists is frozen as the compile cache stores it
+(``stored_class``), and the other lanes thaw it (``counters.lane_loads``) instead of running the
+passes and the probationary call again; only the capture is a lane's own. On the H200 a lane of
+the Token2Wav flow took 35-38 s to prepare by tracing copies and passes (f5290cd).
 
 cuBLAS and bitwise results: cuBLAS gives bitwise-identical results for the same call on any
 stream only when each stream has its own workspace and the workspace size is pinned
@@ -113,12 +117,13 @@ def make_lanes(compiled, n: int, backend_for_lane: Optional[Callable[[int], obje
 
 def _lane_step(compiled, backend):
     """A compiled step like ``compiled``: same module, adapter and options; its own carries,
-    private buffers and backend; the first lane's envelopes and traces."""
+    private buffers and backend; the first lane's envelopes, traces and compiled classes."""
     import dataclasses
     from .runtime import CompiledStep
     config = dataclasses.replace(compiled.config, keep_before=False, cache_dir=None,
                                  donate_state=False)
     lane = CompiledStep(compiled.step, compiled.adapter, compiled.module, config, backend=backend,
-                        trace_cache=compiled.store.share_traces(), envelopes=compiled.envelopes)
+                        trace_cache=compiled.store.share_traces(), envelopes=compiled.envelopes,
+                        class_cache=compiled.store.share_classes())
     lane.kernel_store = compiled.kernel_store
     return lane

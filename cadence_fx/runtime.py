@@ -58,12 +58,13 @@ class CompiledStep:
     ``config`` is what it was asked for (``config.CompileConfig``); ``store`` what it knows of
     each class (``class_store.ClassStore``); ``tensors`` the module's tensors as it reads them
     (``module_tensors.ModuleTensors``). ``carries``, ``trace_cache`` and ``envelopes``, given,
-    are shared with another compiled step (a stream's other step, a lane)."""
+    are shared with another compiled step (a stream's other step, a lane); ``class_cache``, with
+    a lane of the same step (``ClassStore.share_classes``)."""
 
     def __init__(self, step: Callable, adapter: Adapter, module: torch.nn.Module,
                  config: CompileConfig = CompileConfig(), *, backend=None,
                  carries: Optional[Dict[str, Carry]] = None, trace_cache: Optional[dict] = None,
-                 envelopes: Optional[Envelopes] = None):
+                 envelopes: Optional[Envelopes] = None, class_cache: Optional[dict] = None):
         self.step = step
         self.adapter = adapter.validate()
         self.catalog: Catalog = build_catalog(adapter)
@@ -75,7 +76,7 @@ class CompiledStep:
         self.carries: Dict[str, Carry] = {} if carries is None else carries  # may be shared
         self.fn = step.forward if isinstance(step, torch.nn.Module) else step
         self.store = ClassStore(module, self.fn, trace_cache=trace_cache,
-                                keep_before=config.keep_before)
+                                keep_before=config.keep_before, class_cache=class_cache)
         self.tensors = ModuleTensors(module, adapter.constants)
         self.admission = Admission(adapter, self.catalog, self.tensors.params, strict=config.strict)
         self.pipeline = build_pipeline(config.options)

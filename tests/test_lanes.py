@@ -12,6 +12,7 @@ step compiles a priming class in the background while the other lanes go on. The
 import asyncio
 import dataclasses
 import os
+import pickle
 import random
 import threading
 import time
@@ -186,6 +187,62 @@ def test_bad_lane_counts_and_placements_are_refused(model):
     with pytest.raises(ValueError, match="lanes 0..1"):
         pool.open(None, lane=2)
 
+
+
+def _prepared_pool(model, lanes, spoil=None):
+    """A pool whose lanes' ``capture_catalog`` preparations are returned with it; ``spoil``
+    rewrites the shared frozen classes after lane 0 compiled them."""
+    compiled = cadence_fx.compile(model, ADAPTER, backend=StandInBackend() if DEVICE == "cpu"
+                                  else None)
+    pool = cadence_fx.SessionPool(compiled, lanes=lanes, backend_for_lane=(
+        (lambda i: StandInBackend()) if DEVICE == "cpu" else None))
+    with torch.inference_mode():
+        _, state = model(_script(0, 0)[0][1], None)
+        example = chunks([CHUNK], 1)[0].to(DEVICE)
+        preps = [pool.lanes[0].compiled.capture_catalog(example, state)]
+        if spoil is not None:
+            spoil(compiled.store.share_classes())
+        preps += [lane.compiled.capture_catalog(example, state) for lane in pool.lanes[1:]]
+    return pool, preps
+
+
+def test_lanes_thaw_the_first_lanes_compiled_classes_instead_of_compiling_them(model):
+    pool, preps = _prepared_pool(model, lanes=3)
+    classes = len(preps[0].rows)
+    assert classes > 1 and preps[0].work["traces"] == classes and preps[0].work["lane_loads"] == 0
+    for prep in preps[1:]:   # no trace, no passes, no probationary call: only the capture
+        assert (prep.work["traces"], prep.work["lane_loads"]) == (0, classes), str(prep)
+        assert {r["how"] for r in prep.rows} == {"loaded from another lane"}
+        assert all(r["graphs"] > 0 for r in prep.rows)
+    frozen = pool.lanes[0].compiled.store.share_classes()
+    assert set(frozen) == set(pool.lanes[0].compiled.classes) == set(pool.lanes[2].compiled.classes)
+    scripts = [_script(30 + s, 4, reset_at=2 if s % 2 else None) for s in range(6)]
+    sids, outs = _interleave(pool, scripts, order_seed=4)
+    assert not _mismatches([pool.lane_of(s) for s in sids], scripts, outs, model, "thawed")
+    for lane in pool.lanes:   # every lane replayed its own graphs, on its own carries
+        k = lane.compiled.counters
+        assert k.replays > 0 and k.fallbacks == 0 and k.traces == 0, _lanes_report(pool)
+    ptrs = [{n: c.tensor.data_ptr() for n, c in lane.compiled.carries.items()} for lane in pool.lanes]
+    assert all(ptrs[i][n] != ptrs[j][n] for i in range(3) for j in range(i) for n in ptrs[i])
+
+
+def test_a_shared_class_that_does_not_load_is_compiled_by_the_lane(model, caplog):
+    def spoil(frozen):
+        key = next(iter(frozen))
+        payload = pickle.loads(frozen[key])
+        payload["module"] = dict(payload["module"], magic=b"other", src="not python (")
+        frozen[key] = pickle.dumps(payload)
+
+    with caplog.at_level("WARNING", logger="cadence_fx.class_compiler"):
+        pool, preps = _prepared_pool(model, lanes=2, spoil=spoil)
+    classes = len(preps[0].rows)   # the spoiled one compiled from lane 0's trace (copied)
+    assert (preps[1].work["traces"], preps[1].work["lane_loads"]) == (0, classes - 1), str(preps[1])
+    assert set(pool.lanes[1].compiled.classes) == set(pool.lanes[0].compiled.classes)
+    assert "another lane's compiled class is not loadable here (SyntaxError" in caplog.text
+    scripts = [_script(40 + s, 3) for s in range(4)]
+    sids, outs = _interleave(pool, scripts, order_seed=5)
+    assert not _mismatches([pool.lane_of(s) for s in sids], scripts, outs, model, "spoiled")
+    assert all(lane.compiled.counters.replays > 0 for lane in pool.lanes)
 
 async def _serve(pool, scripts, seed, lanes=False, threads=False, queued_on=None):
     """Poisson arrivals; each conversation submits its calls one after the other. Returns the
