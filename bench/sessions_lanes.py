@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import concurrent.futures
 import datetime
 import gc
@@ -62,9 +63,9 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _tokens(speaker, n):
+def _tokens(speaker, n, device=None):
     g = torch.Generator().manual_seed(50_000 + speaker)
-    return [torch.randint(0, 6561, (1, 28), generator=g).to(DEVICE) for _ in range(n)]
+    return [torch.randint(0, 6561, (1, 28), generator=g).to(device or DEVICE) for _ in range(n)]
 
 
 _ALONE = {}   # speaker -> its chunks alone through stock (a stream's first n chunks do not depend on n)
@@ -150,6 +151,10 @@ class Served:
         self.fpool = cadence_fx.SessionPool(cflow, lanes=lanes)
         self.hpool = cadence_fx.SessionPool(chift, lanes=lanes)
         self.flow_step, self.ids, self.use = flow_step, {}, lanes
+        # lane_io: inputs come from the host and go to the device on the session's lane stream,
+        # results come back to the host there (the lane's thread waits for them): the loop's
+        # thread then queues nothing on the device, where a full launch queue would hold it
+        self.lane_io, self.on_device = False, {}
 
     def prepare(self):
         """The flow's catalog and priming class on every lane (``capture_catalog``), then one
@@ -180,24 +185,36 @@ class Served:
         fid = self.fpool.open(None, seed=1000 + speaker, lane=lane)
         hid = self.hpool.open(empty_hift_cache(DEVICE), seed=1000 + speaker,
                               lane=self.fpool.lane_of(fid))
-        self.ids[fid] = (hid, speaker, prompt_call(self.flow_step, seed=speaker, device=DEVICE))
+        self.ids[fid] = (hid, speaker, prompt_call(self.flow_step, seed=speaker,
+                                                   device="cpu" if self.lane_io else DEVICE))
         return fid
 
     def run(self, fid, op, tok=None):
-        hid, _, (tokens, mel_p, spk) = self.ids[fid]
+        hid, _, prompt = self.ids[fid]
+        lane = self.fpool.lanes[self.fpool.lane_of(fid)]
+        on_lane = torch.cuda.stream(lane.stream) if lane.stream is not None else _null()
+        if self.lane_io:   # (host inputs: the prompt once per session, then each chunk's tokens)
+            with on_lane:
+                if fid not in self.on_device:
+                    self.on_device[fid] = [t.to(DEVICE) for t in prompt]
+                tok = None if tok is None else tok.to(DEVICE)
+            prompt = self.on_device[fid]
+        tokens, mel_p, spk = prompt
         with torch.autocast(DEVICE, dtype=torch.float32, enabled=DEVICE == "cuda"):
             if op == "prime":
                 return self.fpool.step(fid, tokens, spk, prompt_mel=mel_p)
             mel, _ = self.fpool.step(fid, tok, spk)
         if op == "flow":   # the flow alone (the lane-concurrency probe)
             return mel, None
-        lane = self.fpool.lanes[self.fpool.lane_of(fid)]
-        with (torch.cuda.stream(lane.stream) if lane.stream is not None else _null()):
+        with on_lane:
             pcm = self.hpool.step(hid, mel)[0]
+            if self.lane_io:
+                return mel.cpu(), pcm.cpu()
         return mel, pcm
 
     def close(self, fid):
         hid = self.ids.pop(fid)[0]
+        self.on_device.pop(fid, None)
         self.fpool.close(fid)
         self.hpool.close(hid)
 
@@ -326,10 +343,20 @@ def _totals(served) -> dict:
 
 
 async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed, threads=False):
+    """One row's traffic. Returns the scheduler's report (with the loop's lag and each lane's
+    busy fraction added), its records and each conversation's outputs on the host."""
     sched = Scheduler(served.fpool, period_ms=budget_ms, run=served.run,
                       done=lambda fid: served.hpool.done(served.ids[fid][0]),
                       pools=(served.fpool, served.hpool), threads=threads)
+    served.lane_io = threads   # a lane's thread may wait for its results; the loop may not
     g, results, next_speaker = random.Random(seed), [], [0]
+    lags, running = [], [True]
+
+    async def heartbeat():   # how late the loop wakes from a 1 ms sleep: what held it
+        while running[0]:
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lags.append((time.perf_counter() - t) * 1e3 - 1.0)
 
     async def conversation():
         speaker = next_speaker[0]
@@ -339,7 +366,7 @@ async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed, threads=
         start = time.perf_counter()
         await sched.submit(fid, "prime")
         outs = []
-        for i, tok in enumerate(_tokens(speaker, length)):
+        for i, tok in enumerate(_tokens(speaker, length, "cpu" if served.lane_io else DEVICE)):
             await asyncio.sleep(max(0.0, start + i * period_s - time.perf_counter()))
             mel, pcm = await sched.submit(fid, "chunk", tok)
             outs.append((mel.cpu(), pcm.cpu()))
@@ -352,9 +379,27 @@ async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed, threads=
         while time.perf_counter() < end:
             await conversation()
 
+    beat = asyncio.ensure_future(heartbeat())
+    t0 = time.perf_counter()
     await asyncio.gather(*(slot() for _ in range(n)))
     await sched.stop()
-    return sched.report(), sched.records, results
+    wall = time.perf_counter() - t0
+    running[0] = False
+    await beat
+    served.lane_io = False
+    report = sched.report()
+    lags.sort()
+    busy = collections.defaultdict(float)
+    for r in sched.records:
+        busy[r.lane] += r.completed - r.dispatched
+    report.update(lane_io=threads, loop_lag_ms_p50=_pct(lags, 0.5), loop_lag_ms_p99=_pct(lags, 0.99),
+                  loop_lag_ms_max=lags[-1] if lags else None,
+                  lane_busy_fraction={k: round(v / wall, 3) for k, v in sorted(busy.items())})
+    return report, sched.records, results
+
+
+def _pct(xs, q):
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else None
 
 
 def _row(flow, hift, served, lanes, n, args):
