@@ -208,7 +208,9 @@ class Served:
             return mel, None
         with on_lane:
             pcm = self.hpool.step(hid, mel)[0]
-            if self.lane_io:
+            if self.lane_io:   # HiFT ran on the HiFT pool's lane stream: read after it
+                if lane.stream is not None:
+                    lane.stream.wait_event(self.hpool.done(hid))
                 return mel.cpu(), pcm.cpu()
         return mel, pcm
 

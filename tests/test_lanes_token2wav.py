@@ -74,6 +74,8 @@ def _served(fpool, hpool, flow, speaker, lane):
                 mel, _ = fpool.step(fid, tok, spk)
             with torch.cuda.stream(stream) if stream is not None else _Null():
                 pcm = hpool.step(hid, mel)[0]
+                if stream is not None:   # HiFT ran on its own pool's lane stream
+                    stream.wait_event(hpool.done(hid))
                 out.append((mel.cpu(), pcm.cpu()))
     fpool.close(fid)
     hpool.close(hid)
