@@ -5,7 +5,8 @@
         [--threads] [--host-profile]
     python bench/sessions_lanes.py --device cpu --depth 1 --ns 2 --lanes 1,2 --seconds 2   # harness
 
-Per lane count L and session count N: N conversations arrive (Poisson, mean gap ``--gap-ms``),
+Per lane count L and session count N: N conversations arrive (a Poisson process, mean gap
+``--gap-ms``; ``--arrivals burst``: all N within about one gap, as rows before 2026-12-03 did),
 each primed through the compiled flow (its priming class, prepared by ``capture_catalog`` on
 every lane), then sending a 1 s chunk (28 tokens, 50 mel frames) every second for a random
 length (``--seconds`` on average); as one retires a new speaker arrives (churn). The
@@ -39,6 +40,7 @@ import collections
 import concurrent.futures
 import datetime
 import gc
+import itertools
 import json
 import os
 import random
@@ -344,15 +346,32 @@ def _totals(served) -> dict:
             for f in ("calls", "compiled_calls", "fallbacks")}
 
 
-async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed, threads=False):
-    """One row's traffic. Returns the scheduler's report (with the loop's lag and each lane's
-    busy fraction added), its records and each conversation's outputs on the host."""
+async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed, threads=False,
+                 arrivals="poisson"):
+    """One row's traffic. Returns the scheduler's report (with the loop's lag, each lane's busy
+    fraction and the per-second timeline added), its records and each conversation's outputs on
+    the host. ``arrivals``: ``poisson``, the N slots' first conversations arrive as a Poisson
+    process of mean gap ``gap_ms`` (N x gap_ms on average for all of them); ``burst``, each slot
+    waits its own exponential gap, so all N arrive within about ``gap_ms`` (the rows before
+    this option)."""
     sched = Scheduler(served.fpool, period_ms=budget_ms, run=served.run,
                       done=lambda fid: served.hpool.done(served.ids[fid][0]),
                       pools=(served.fpool, served.hpool), threads=threads)
     served.lane_io = threads   # a lane's thread may wait for its results; the loop may not
     g, results, next_speaker = random.Random(seed), [], [0]
-    lags, running = [], [True]
+    lags, running, marks = [], [True], []   # marks: (submitted, op, latency ms) per request
+    if arrivals == "poisson":
+        firsts = list(itertools.accumulate(g.expovariate(1000.0 / gap_ms) for _ in range(n)))
+    elif arrivals == "burst":
+        firsts = [g.expovariate(1000.0 / gap_ms) for _ in range(n)]
+    else:
+        raise ValueError(f"arrivals {arrivals!r}: poisson or burst")
+
+    async def timed(fid, op, *args):
+        t = time.perf_counter()
+        out = await sched.submit(fid, op, *args)
+        marks.append((t - t0, op, (time.perf_counter() - t) * 1e3))
+        return out
 
     async def heartbeat():   # how late the loop wakes from a 1 ms sleep: what held it
         while running[0]:
@@ -366,24 +385,24 @@ async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed, threads=
         length = max(1, int(g.expovariate(1.0 / seconds)))
         fid = served.open(speaker)
         start = time.perf_counter()
-        await sched.submit(fid, "prime")
+        await timed(fid, "prime")
         outs = []
         for i, tok in enumerate(_tokens(speaker, length, "cpu" if served.lane_io else DEVICE)):
             await asyncio.sleep(max(0.0, start + i * period_s - time.perf_counter()))
-            mel, pcm = await sched.submit(fid, "chunk", tok)
+            mel, pcm = await timed(fid, "chunk", tok)
             outs.append((mel.cpu(), pcm.cpu()))
         sched.on_lane(fid, served.close, fid)   # on its lane's thread with --threads
         results.append((speaker, outs))
 
-    async def slot():
-        await asyncio.sleep(g.expovariate(1000.0 / gap_ms))
+    async def slot(first):
+        await asyncio.sleep(first)
         end = time.perf_counter() + seconds * 2
         while time.perf_counter() < end:
             await conversation()
 
     beat = asyncio.ensure_future(heartbeat())
     t0 = time.perf_counter()
-    await asyncio.gather(*(slot() for _ in range(n)))
+    await asyncio.gather(*(slot(first) for first in firsts))
     await sched.stop()
     wall = time.perf_counter() - t0
     running[0] = False
@@ -395,9 +414,22 @@ async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed, threads=
     for r in sched.records:
         busy[r.lane] += r.completed - r.dispatched
     report.update(lane_io=threads, loop_lag_ms_p50=_pct(lags, 0.5), loop_lag_ms_p99=_pct(lags, 0.99),
-                  loop_lag_ms_max=lags[-1] if lags else None,
-                  lane_busy_fraction={k: round(v / wall, 3) for k, v in sorted(busy.items())})
+                  loop_lag_ms_max=lags[-1] if lags else None, arrivals=arrivals,
+                  lane_busy_fraction={k: round(v / wall, 3) for k, v in sorted(busy.items())},
+                  timeline=_timeline(marks, budget_ms))
     return report, sched.records, results
+
+
+def _timeline(marks, budget_ms) -> list:
+    """Per second of the row (by submission): chunks and primings submitted, those whose answer
+    came later than ``budget_ms`` after submission (as the conversation saw it), the worst."""
+    rows = collections.defaultdict(lambda: {"chunks": 0, "primings": 0, "late": 0, "worst_ms": 0.0})
+    for t, op, ms in marks:
+        r = rows[int(t)]
+        r["chunks" if op == "chunk" else "primings"] += 1
+        r["late"] += ms > budget_ms
+        r["worst_ms"] = round(max(r["worst_ms"], ms), 1)
+    return [{"s": k, **rows[k]} for k in sorted(rows)]
 
 
 def _pct(xs, q):
@@ -410,7 +442,7 @@ def _row(flow, hift, served, lanes, n, args):
     with _GcPauses() as pauses:
         report, records, results = asyncio.run(_churn(served, n, args.seconds, args.gap_ms,
                                                       args.budget_ms, args.period_ms / 1e3, n,
-                                                      args.threads))
+                                                      args.threads, args.arrivals))
     t_ref = time.perf_counter()
     needs = {}
     for speaker, outs in results:
@@ -527,7 +559,7 @@ def _lane_rows(result, served, flow, hift, lanes, args, start, save):
         served.use = best["lanes"]
         result["cadence_kernel_fraction"] = _kernel_fraction(lambda: asyncio.run(_churn(
             served, best["sessions"], 1.0, args.gap_ms, args.budget_ms, args.period_ms / 1e3, 99,
-            args.threads)))
+            args.threads, args.arrivals)))
 
 
 def _compiled_priming(result, lane0, prime):
@@ -553,6 +585,10 @@ def _args():
     ap.add_argument("--stock-ns", default="1,2")
     ap.add_argument("--seconds", type=float, default=6.0, help="mean conversation length (s)")
     ap.add_argument("--gap-ms", type=float, default=200.0, help="mean gap between arrivals")
+    ap.add_argument("--arrivals", choices=("poisson", "burst"), default="poisson",
+                    help="poisson: the first N conversations arrive as a Poisson process of mean "
+                         "gap --gap-ms; burst: each slot waits its own gap, all N within about "
+                         "--gap-ms (rows before 2026-12-03)")
     ap.add_argument("--period-ms", type=float, default=1000.0, help="audio per chunk")
     ap.add_argument("--budget-ms", type=float, default=900.0, help="a chunk's deadline")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop adding rows after this")
