@@ -6,7 +6,7 @@
     python bench/sessions_lanes.py --device cpu --depth 1 --ns 2 --lanes 1,2 --seconds 2   # harness
 
 Per lane count L and session count N: N conversations arrive (a Poisson process, mean gap
-``--gap-ms``; ``--arrivals burst``: all N within about one gap, as rows before 2026-12-03 did),
+``--gap-ms``; ``--arrivals burst``: each slot after a gap of its own, as rows before 2026-12-03),
 each primed through the compiled flow (its priming class, prepared by ``capture_catalog`` on
 every lane), then sending a 1 s chunk (28 tokens, 50 mel frames) every second for a random
 length (``--seconds`` on average); as one retires a new speaker arrives (churn). The
@@ -352,8 +352,8 @@ async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed, threads=
     fraction and the per-second timeline added), its records and each conversation's outputs on
     the host. ``arrivals``: ``poisson``, the N slots' first conversations arrive as a Poisson
     process of mean gap ``gap_ms`` (N x gap_ms on average for all of them); ``burst``, each slot
-    waits its own exponential gap, so all N arrive within about ``gap_ms`` (the rows before
-    this option)."""
+    waits its own exponential gap of that mean, so half of them arrive within 0.7 x ``gap_ms``
+    and all of them within a few gaps (the rows before this option)."""
     sched = Scheduler(served.fpool, period_ms=budget_ms, run=served.run,
                       done=lambda fid: served.hpool.done(served.ids[fid][0]),
                       pools=(served.fpool, served.hpool), threads=threads)
@@ -587,8 +587,8 @@ def _args():
     ap.add_argument("--gap-ms", type=float, default=200.0, help="mean gap between arrivals")
     ap.add_argument("--arrivals", choices=("poisson", "burst"), default="poisson",
                     help="poisson: the first N conversations arrive as a Poisson process of mean "
-                         "gap --gap-ms; burst: each slot waits its own gap, all N within about "
-                         "--gap-ms (rows before 2026-12-03)")
+                         "gap --gap-ms; burst: each slot waits a gap of its own, all N within a "
+                         "few gaps (rows before 2026-12-03)")
     ap.add_argument("--period-ms", type=float, default=1000.0, help="audio per chunk")
     ap.add_argument("--budget-ms", type=float, default=900.0, help="a chunk's deadline")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop adding rows after this")

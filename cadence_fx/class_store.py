@@ -5,10 +5,10 @@ with its ``ClassEntry`` (``class_compiler.py``) that the call path runs, or runs
 with the reason (its *verdict*). Beside them the store keeps the traces: shared with other steps
 of the same module and step function (``trace_cache``), else kept as traced for the report's
 before/after view (``keep_before``), and those traced here that the compile cache has not stored
-yet, and, between the lanes of one pool (``lanes.py``), each compiled class as frozen for the
-compile cache (``stored_class.freeze``, pickled): a lane thaws its classes from there instead of
-tracing, running the passes and the probationary call again. The class compiler fills the store, the call path, preparation, priming and the report read
-it; every one of them through these methods.
+yet; between the lanes of one pool (``lanes.py``), each compiled class as frozen for the compile
+cache (``stored_class.freeze``, pickled), which a lane thaws instead of tracing, running the passes
+and the probationary call again. The class compiler fills the store, the call path, preparation,
+priming and the report read it; every one of them through these methods.
 
 It does not compile, trace or run anything, and it holds no tensors of its own beyond the traces.
 """

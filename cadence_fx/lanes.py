@@ -12,7 +12,7 @@ traces (a lane copies the first lane's traces instead of tracing again) and comp
 each class a lane compiles once the pool exists is frozen as the compile cache stores it
 (``stored_class``), and the other lanes thaw it (``counters.lane_loads``) instead of running the
 passes and the probationary call again; only the capture is a lane's own. On the H200 a lane of
-the Token2Wav flow took 35-38 s to prepare by tracing copies and passes (f5290cd).
+the Token2Wav flow took 35-38 s to prepare from trace copies (f5290cd), 4.7-8.7 s thawed (f563547).
 
 cuBLAS and bitwise results: cuBLAS gives bitwise-identical results for the same call on any
 stream only when each stream has its own workspace and the workspace size is pinned
