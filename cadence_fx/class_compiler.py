@@ -233,8 +233,7 @@ def _load_compiled(cs, key, named, replaced: set, label: str) -> Optional[ClassE
 
 
 def _store_compiled(cs, entry: ClassEntry, private, newly_replaced, carries) -> None:
-    """Freeze the class for the compile cache and for the pool's other lanes."""
-    try:
+    try:   # frozen for the compile cache and for the pool's other lanes
         payload = stored_class.freeze(cs, entry, private=private, replaced=list(newly_replaced),
                                       carries=carries)
     except stored_class.Unstorable as e:
@@ -273,6 +272,7 @@ def _trace(cs, key, named) -> Optional[TracedStep]:
     fresh make_fx trace (then shared, and kept for the compile cache: ``_store_trace``)."""
     cached = cs.store.shared_trace(key)
     if cached is not None:
+        cs.counters.trace_copies += 1
         return copy_traced(cached)
     if cs.compile_cache is not None:
         loaded = cs.compile_cache.load(key)

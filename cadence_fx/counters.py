@@ -29,6 +29,7 @@ class Counters:
     cache_loads: int = 0      # signatures loaded from the persistent compile cache, not traced
     compiled_loads: int = 0   # of which loaded compiled: no passes, no probationary call either
     lane_loads: int = 0       # classes thawed from another lane's compiled class (``lanes.py``)
+    trace_copies: int = 0     # traces copied from a shared trace cache (another lane's) to compile
     copied_calls: int = 0     # repeated calls copied into a trace instead of traced again
     released_bytes: int = 0   # stock envelope storage freed now (``release_envelopes``)
     restored_bytes: int = 0   # envelope storage given back for good because the stock step ran

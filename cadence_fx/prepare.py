@@ -25,8 +25,8 @@ from .tracing import bind_arguments, leaves_with_paths
 __all__ = ["Preparation", "prepare", "capture_catalog"]
 
 # the counters a compile moves (the others count traffic): reported by ``capture_catalog``
-WORK = ("traces", "cache_loads", "compiled_loads", "lane_loads", "copied_calls", "fused_regions",
-        "fusions_refused", "fusions_loaded")
+WORK = ("traces", "cache_loads", "compiled_loads", "lane_loads", "trace_copies", "copied_calls",
+        "fused_regions", "fusions_refused", "fusions_loaded")
 
 
 def prepare(cs, args, kwargs, work: Optional[Dict[str, int]] = None) -> bool:
@@ -76,8 +76,8 @@ def _prepare(cs, args, kwargs, work: Optional[Dict[str, int]]) -> bool:
 class Preparation(dict):
     """What ``capture_catalog`` did. As a dict, ``{(extents, width): compiled}``. ``rows``: per
     class, ``how`` it came (``traced``, ``loaded`` compiled from the compile cache, ``loaded from
-    another lane`` of the pool, ``loaded trace`` then its passes, ``compiled before``, or
-    ``stock: <reason>``), the device ``graphs``
+    another lane`` of the pool, ``compiled from another lane's trace``, ``loaded trace`` then its
+    passes, ``compiled before``, or ``stock: <reason>``), the device ``graphs``
     captured and the ``seconds``. ``work``: the compile counters it moved (``WORK``; the step's
     own counters are left as they were, since preparing is not traffic). ``not_prepared``: what
     the adapter admits that it did not prepare, each with why and how to."""
@@ -199,6 +199,8 @@ def _how(cs, cls: Tuple, compiled: bool, work: Dict[str, int]) -> str:
         return "loaded"
     if work["lane_loads"]:
         return "loaded from another lane"
+    if work["trace_copies"]:
+        return "compiled from another lane's trace"
     if work["cache_loads"]:
         return "loaded trace"
     return "compiled before"

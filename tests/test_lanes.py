@@ -237,6 +237,9 @@ def test_a_shared_class_that_does_not_load_is_compiled_by_the_lane(model, caplog
         pool, preps = _prepared_pool(model, lanes=2, spoil=spoil)
     classes = len(preps[0].rows)   # the spoiled one compiled from lane 0's trace (copied)
     assert (preps[1].work["traces"], preps[1].work["lane_loads"]) == (0, classes - 1), str(preps[1])
+    assert preps[1].work["trace_copies"] == 1
+    assert sorted(r["how"] for r in preps[1].rows) == (
+        ["compiled from another lane's trace"] + ["loaded from another lane"] * (classes - 1))
     assert set(pool.lanes[1].compiled.classes) == set(pool.lanes[0].compiled.classes)
     assert "another lane's compiled class is not loadable here (SyntaxError" in caplog.text
     scripts = [_script(40 + s, 3) for s in range(4)]
