@@ -24,10 +24,18 @@ CHUNKS = 4   # 302 -> 352 -> 402 retained frames, then 402 again: every steady c
 
 @pytest.fixture(scope="module")
 def steps():
-    cadence_fx.pin_deterministic_kernels()
+    """Flow and HiFT; on CUDA with deterministic kernels pinned for this module only (stock HiFT is
+    not reproducible without them there; the settings are process-wide and the modes are part of
+    class keys, so later tests get the process's own back)."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+              torch.backends.cudnn.benchmark)
+    if DEVICE == "cuda":
+        cadence_fx.pin_deterministic_kernels()
     flow = token2wav.FlowStep(token2wav.build_flow(1, blocks=(1, 1), device=DEVICE))
     hift = token2wav.HiFTStep(token2wav.build_hift(device=DEVICE))
-    return flow, hift
+    yield flow, hift
+    torch.use_deterministic_algorithms(before[0])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1:]
 
 
 def _autocast():
