@@ -115,7 +115,9 @@ def test_every_lane_serves_token2wav_bit_exact(steps, classes, monkeypatch):
         preps = fpool.capture_catalog(torch.zeros(1, 28, dtype=torch.long, device=DEVICE), spk,
                                       state, priming_example=lambda n: ((tokens, spk, None),
                                                                         {"prompt_mel": mel_p}))
-    assert [p.work["lane_loads"] for p in preps] == [0, 4 if classes == "thawed" else 0], preps
+    thawed = classes == "thawed"
+    assert [(p.work["lane_loads"], p.work["trace_copies"]) for p in preps] == [
+        (0, 0), (4, 0) if thawed else (0, 4)], preps
     diffs = []
     for lane in (0, 1, 1, 0):   # each lane twice: its classes met, then steady
         speaker = 7 + len(diffs) + 10 * lane
@@ -128,7 +130,7 @@ def test_every_lane_serves_token2wav_bit_exact(steps, classes, monkeypatch):
         diffs.append(None)   # one conversation done
     assert not [d for d in diffs if d], "\n".join(d for d in diffs if d)
     # HiFT's classes compiled in traffic (the flow's preparation moves no counters)
-    assert hpool.lanes[1].compiled.counters.lane_loads == (2 if classes == "thawed" else 0)
+    assert hpool.lanes[1].compiled.counters.lane_loads == (2 if thawed else 0)
     for pool in (fpool, hpool):   # compiled and replayed on both lanes, nothing fell back
         for lane in pool.lanes:
             k = lane.compiled.counters
