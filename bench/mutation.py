@@ -9,7 +9,7 @@
 
 The core (``CORE``): the carry pass, the replay guard, admission and absorption, the envelope
 release/restore, the effect probe (``effects.py`` and ``probe_effects`` in
-``class_compiler.py``). ``cadence_fx/cudagraphs.py`` needs a GPU and is not mutated here.
+``class_probe.py``). ``cadence_fx/cudagraphs.py`` needs a GPU and is not mutated here.
 
 mutmut copies ``[tool.mutmut] source_paths`` into ``mutants/`` and puts that directory first on
 ``sys.path``. The package maps ``passes/`` to ``cadence_fx.passes`` and ``adapters/`` to
@@ -54,7 +54,7 @@ CORE = {
     "cadence_fx/admission.py": "cadence_fx.admission.*",
     "cadence_fx/envelopes.py": "cadence_fx.envelopes.*",
     "cadence_fx/effects.py": "cadence_fx.effects.*",
-    "cadence_fx/class_compiler.py": "cadence_fx.class_compiler.x_probe_effects__mutmut_*",
+    "cadence_fx/class_probe.py": "cadence_fx.class_probe.x_probe_effects__mutmut_*",
 }
 
 # added to the staging tree's tests/conftest.py only: the property tests' verdicts must not depend on

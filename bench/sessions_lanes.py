@@ -52,8 +52,8 @@ import torch
 
 import cadence_fx
 from cadence_fx.models.token2wav import (FlowStep, HiFTStep, build_flow, build_hift,
-                                         empty_hift_cache, prompt_call)
-from cadence_fx.scheduler import Scheduler
+                                         empty_hift_cache, prompt_call, stock_conversation)
+from cadence_fx.scheduler import Scheduler, _pct
 from cadence_fx.sessions import warm_lanes
 
 DEVICE = "cuda"
@@ -128,22 +128,8 @@ def _worker_alone(speaker, n):
 
 
 def _alone_run(flow, hift, speaker, n):
-    tokens, mel_p, spk = prompt_call(flow, seed=speaker, device=DEVICE)
-    gen = torch.cuda.default_generators[0] if DEVICE == "cuda" else torch.default_generator
-    outside = gen.get_state()
-    gen.manual_seed(1000 + speaker)
-    out = []
-    with torch.inference_mode(), torch.autocast(DEVICE, dtype=torch.float32, enabled=DEVICE == "cuda"):
-        state = {k: v.clone() for k, v in flow(tokens, spk, None, prompt_mel=mel_p)[1].items()}
-        cache = empty_hift_cache(DEVICE)
-        for tok in _tokens(speaker, n):
-            mel, state = flow(tok, spk, state)
-            state = {k: v.clone() for k, v in state.items()}
-            pcm, cache = hift(mel, cache)
-            cache = {k: v.clone() for k, v in cache.items()}
-            out.append((mel.cpu(), pcm.cpu()))
-    gen.set_state(outside)
-    return out
+    return stock_conversation(flow, hift, prompt_call(flow, seed=speaker, device=DEVICE),
+                              _tokens(speaker, n), seed=1000 + speaker, device=DEVICE)
 
 
 class Served:
@@ -168,10 +154,9 @@ class Served:
                                                     enabled=DEVICE == "cuda"):
             state = self.flow_step(tokens, spk, None, prompt_mel=mel_p)[1]
             state = {k: v.clone() for k, v in state.items()}
-            self.preparation_objects = self.fpool.capture_catalog(
+            self.preparations = self.fpool.capture_catalog(
                 torch.zeros(1, 28, dtype=torch.long, device=DEVICE), spk, state,
                 priming_example=lambda n: ((tokens, spk, None), {"prompt_mel": mel_p}))
-            self.preparations = [str(p) for p in self.preparation_objects]
 
         def conversation(lane):   # prime, then chunks until retention holds (302 -> 402 frames)
             fid = self.open(10_000 + lane, lane=lane)
@@ -432,9 +417,6 @@ def _timeline(marks, budget_ms) -> list:
     return [{"s": k, **rows[k]} for k in sorted(rows)]
 
 
-def _pct(xs, q):
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else None
-
 
 def _row(flow, hift, served, lanes, n, args):
     torch.cuda.reset_peak_memory_stats() if DEVICE == "cuda" else None
@@ -660,9 +642,10 @@ def main():
     served = Served(cflow, chift, max(lanes), flow)
     result["warm"] = served.prepare()
     result["prepare_s"] = time.perf_counter() - t
-    result["preparations"] = served.preparations   # per lane: each class, how it came, seconds
+    # per lane: each class, how it came, seconds
+    result["preparations"] = [str(p) for p in served.preparations]
     result["prepare_lane_s"] = [round(sum(r["seconds"] for r in p.rows), 2)
-                                for p in served.preparation_objects]
+                                for p in served.preparations]
     print(json.dumps({"prepare_s": result["prepare_s"], "warm": result["warm"]}), flush=True)
     _compiled_priming(result, served.fpool.lanes[0], lambda: cflow(tokens, spk, None,
                                                                    prompt_mel=mel_p))

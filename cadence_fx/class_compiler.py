@@ -1,14 +1,13 @@
 """The class compiler: what happens the first time a call of a new signature class arrives.
 
 Trace the step at the class's exact shapes (or copy a shared trace), run the probationary stock
-call that classifies its effects (§3.4 (iii)), bind the regions to the graph, run the pass
+call that classifies its effects (§3.4 (iii), ``class_probe.py``), bind the regions to the graph, run the pass
 pipeline, and record the class entry the call path runs from then on. A class that cannot be
 traced, fails a pass or draws host randomness is *rejected*: its calls run the stock step with the
 reason (``strict`` raises instead).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import pickle
@@ -20,15 +19,15 @@ import torch
 
 from . import fusion, progress, replay, stored_class
 from .passes.context import PassContext, RegionBinding
+from .class_probe import choose_backend, probe_effects, written_inputs
 from .contract import Adapter
-from .effects import RngSnapshot, TensorSnapshot
+from .effects import RngSnapshot
 from .errors import ContractError, TraceError
-from .passes.fx_utils import graph_module, mutated_attributes, written_bases
+from .passes.fx_utils import graph_module
 from .passes.pipeline import PassFailed, run_pipeline
 from .passes.records import Records
-from .replay import EagerBackend
 from .stored_class import carry_like
-from .tracing import InputSpec, TracedStep, leaves_with_paths, trace_step
+from .tracing import InputSpec, TracedStep, trace_step
 
 __all__ = ["ClassEntry", "compile_class", "method_targets"]
 
@@ -333,57 +332,6 @@ def _bind_regions(cs, traced: TracedStep) -> List[RegionBinding]:
     return bindings
 
 
-def probe_effects(cs, traced: TracedStep, named) -> Optional[str]:
-    """The probationary eager call (§3.4 (iii)): run the stock step once, watching every
-    generator, then put back generators and everything the step writes. On the backend's side
-    stream, where the warm-ups and captures run: a second stream would hold BLAS workspaces of
-    its own for the life of the process."""
-    leaves = dict(leaves_with_paths(named)[0])
-    written = [cs.tensors.buffers[s.name] if s.kind == "buffer" else leaves[s.name]
-               for s in written_inputs(traced.gm, traced.inputs) if s.kind in ("buffer", "arg")]
-    written += [c.tensor for c in cs.carries.values()]
-    written += mutated_attributes(traced.gm)  # module state in plain tensor attributes
-    state, rng = TensorSnapshot(written), RngSnapshot()
-    try:
-        with torch.no_grad(), getattr(cs.backend, "side_stream", contextlib.nullcontext)():
-            cs.fn(**named)
-    finally:
-        effects = rng.effects()
-        state.restore()
-        rng.restore()
-    _check_declared_randomness(cs, effects, _on_cuda(cs, named))
-    return effects.host_reason
-
-
-def _check_declared_randomness(cs, effects, on_cuda: bool) -> None:
-    """A step that draws from its device's torch generator must say so (``Effects(device_rng=
-    True)``): a ``SessionPool`` gives each session its own generator state only then. Undeclared,
-    its sessions would draw from one shared state, each differing from itself run alone."""
-    drew = effects.device if on_cuda else effects.torch_cpu
-    if drew and not cs.adapter.effects.device_rng:
-        where = "a CUDA generator" if on_cuda else "torch's CPU generator"
-        raise ContractError(
-            f"adapter {cs.adapter.name!r} declares no device randomness, but its step "
-            f"({type(cs.module).__name__}) drew from {where} in its probationary call: declare "
-            "effects=Effects(device_rng=True) in the adapter (each session then draws from its "
-            "own generator state)")
-
-
-def _on_cuda(cs, named) -> bool:
-    """Whether the call or the weights are on CUDA."""
-    return (any(isinstance(v, torch.Tensor) and v.is_cuda for _, v in leaves_with_paths(named)[0])
-            or cs.tensors.on_cuda())
-
-
-def choose_backend(cs, named):
-    """CUDA graphs when the call or the weights are on CUDA and graphs are on, else guarded eager."""
-    on_cuda = _on_cuda(cs, named)
-    if cs.config.graphs and on_cuda:
-        from .cudagraphs import CudaGraphBackend
-        return CudaGraphBackend(copy_outputs=cs.config.copy_outputs)
-    return EagerBackend()
-
-
 def method_targets(adapter: Adapter, module: torch.nn.Module,
                    field: str = "repeated") -> List[Tuple[torch.nn.Module, str]]:
     """The ``(submodule, method)`` pairs an adapter's ``repeated`` (or ``priming``) names."""
@@ -411,10 +359,3 @@ def copy_traced(traced: TracedStep) -> TracedStep:
     graph.output(out)
     gm = graph_module(traced.gm, graph)
     return dataclasses.replace(traced, gm=gm, inputs=list(traced.inputs), seconds=0.0)
-
-
-def written_inputs(gm: torch.fx.GraphModule, inputs: List[InputSpec]) -> List[InputSpec]:
-    """The inputs (by spec) whose storage the graph writes in place."""
-    written = set(written_bases(gm.graph))
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return [spec for n, spec in zip(placeholders, inputs) if n in written]

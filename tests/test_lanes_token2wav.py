@@ -49,22 +49,9 @@ def _tokens(speaker):
 
 def _alone(flow, hift, speaker):
     """The speaker alone through stock: each chunk's (mel, PCM) on the host."""
-    tokens, mel_p, spk = token2wav.prompt_call(flow, seed=speaker, device=DEVICE)
-    gen = torch.cuda.default_generators[0] if DEVICE == "cuda" else torch.default_generator
-    outside = gen.get_state()
-    gen.manual_seed(1000 + speaker)
-    out = []
-    with torch.inference_mode(), _autocast():
-        state = {k: v.clone() for k, v in flow(tokens, spk, None, prompt_mel=mel_p)[1].items()}
-        cache = token2wav.empty_hift_cache(DEVICE)
-        for tok in _tokens(speaker):
-            mel, state = flow(tok, spk, state)
-            state = {k: v.clone() for k, v in state.items()}
-            pcm, cache = hift(mel, cache)
-            cache = {k: v.clone() for k, v in cache.items()}
-            out.append((mel.cpu(), pcm.cpu()))
-    gen.set_state(outside)
-    return out
+    return token2wav.stock_conversation(
+        flow, hift, token2wav.prompt_call(flow, seed=speaker, device=DEVICE), _tokens(speaker),
+        seed=1000 + speaker, device=DEVICE)
 
 
 def _served(fpool, hpool, flow, speaker, lane):

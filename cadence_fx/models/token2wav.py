@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 __all__ = ["import_stock", "build_cfm", "CFMStep", "prime_cfm", "build_hift", "HiFTStep",
-           "empty_hift_cache", "build_flow", "FlowStep", "prime_flow", "prompt_call"]
+           "empty_hift_cache", "build_flow", "FlowStep", "prime_flow", "prompt_call",
+           "stock_conversation"]
 
 DIT_CONFIG = dict(in_channels=320, out_channels=80, mlp_ratio=4, num_heads=8, head_dim=64,
                   hidden_size=512)
@@ -240,3 +241,32 @@ def prime_flow(step: FlowStep, *, seed: int = 1, device="cpu"):
     with torch.inference_mode():
         state = step.flow.setup_cache(tokens, mel, spk, n_timesteps=step.n_timesteps)
     return spk, {k: v.clone() for k, v in state.items()}
+
+
+def stock_conversation(flow: FlowStep, hift: HiFTStep, prompt, tokens, *, seed: int,
+                       device="cpu"):
+    """One speaker through stock, as a reference: primed on ``prompt`` (``prompt_call``'s
+    ``(tokens, mel, spk)``), then each chunk of ``tokens`` through the flow and HiFT, with the
+    device's generator seeded ``seed`` (HiFT draws from it) and put back afterwards. Returns each
+    chunk's ``(mel, PCM)`` on the host; states are cloned between calls, as a caller keeps them."""
+    prompt_tokens, mel_p, spk = prompt
+    gen = torch.cuda.default_generators[0] if torch.device(device).type == "cuda" \
+        else torch.default_generator
+    outside = gen.get_state()
+    gen.manual_seed(seed)
+    out = []
+    try:
+        with torch.inference_mode(), torch.autocast(torch.device(device).type, dtype=torch.float32,
+                                                    enabled=torch.device(device).type == "cuda"):
+            state = {k: v.clone() for k, v in flow(prompt_tokens, spk, None,
+                                                   prompt_mel=mel_p)[1].items()}
+            cache = empty_hift_cache(device)
+            for tok in tokens:
+                mel, state = flow(tok, spk, state)
+                state = {k: v.clone() for k, v in state.items()}
+                pcm, cache = hift(mel, cache)
+                cache = {k: v.clone() for k, v in cache.items()}
+                out.append((mel.cpu(), pcm.cpu()))
+    finally:
+        gen.set_state(outside)
+    return out
