@@ -11,8 +11,9 @@ as a lockstep server does; L x B conversations are real-time when the tick's p99
 ``--frame-ms`` (80 ms of audio). Each lane's conversations start from their own seed and input;
 every frame's PCM and tokens are compared (``torch.equal``) with the stock loop at the same batch
 (``lm_gen.streaming(B)``, plain eager, the same seed and frames). Lanes draw device randomness
-(the LM samples), so their chunks take turns on the device (``docs/sessions.md``): more lanes
-overlap only host work; the batch is the lever. Before the timed ticks every lane runs a
+(the LM samples), each from a generator state of its own, so their frames overlap on the device
+(``docs/sessions.md``); they are queued one at a time on the host. The 7B LM is bound by memory
+traffic, so the batch is the main lever and memory (the KV rings) its limit. Before the timed ticks every lane runs a
 throwaway conversation (``sessions.warm_lanes``: the LM's delay-filling frames and the steady
 frame are classes of their own), and each row counts the classes still compiled during its
 ticks (``compiles``, which should be 0).

@@ -65,7 +65,7 @@ def choose_backend(cs, named):
     on_cuda = _on_cuda(cs, named)
     if cs.config.graphs and on_cuda:
         from .cudagraphs import CudaGraphBackend
-        return CudaGraphBackend(copy_outputs=cs.config.copy_outputs)
+        return CudaGraphBackend(copy_outputs=cs.config.copy_outputs, generator=cs.generator)
     return EagerBackend()
 
 

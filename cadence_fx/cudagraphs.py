@@ -36,7 +36,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from .capture_streams import CaptureStream, private_stream
-from .effects import RngSnapshot, TensorSnapshot
+from .effects import RngSnapshot, TensorSnapshot, drawing_from
 from .fusion import pending_regions
 from .passes.fx_utils import mutated_attributes
 
@@ -48,9 +48,11 @@ log = logging.getLogger(__name__)
 class CudaGraphBackend:
     name = "cudagraphs"
 
-    def __init__(self, copy_outputs: bool = True, warm_up: bool = False):
+    def __init__(self, copy_outputs: bool = True, warm_up: bool = False,
+                 generator: Optional[torch.Generator] = None):
         self.copy_outputs = copy_outputs
         self.warm_up = warm_up       # warm every piece up before its first capture attempt
+        self.generator = generator   # the device generator state its graphs draw from (a lane's)
         self.pool = None
         # one side stream for every eager warm-up and every capture: the BLAS libraries keep a
         # workspace per stream they run on (32 MiB each for cuBLAS on Hopper) for the life of
@@ -214,7 +216,7 @@ class CudaGraphBackend:
         trees capture the same way)."""
         stream = self._stream()
         graph = self._side.graph()
-        with GLOBAL_STATE.exclusive():
+        with GLOBAL_STATE.exclusive(), drawing_from(self.generator):
             rng, current = RngSnapshot(), torch.cuda.current_stream()
             try:
                 with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, stream=stream,

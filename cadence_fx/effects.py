@@ -8,13 +8,14 @@ generator state -- and CPU-generator draws inside a device step stay in eager pi
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 from typing import Dict, Iterable, List, Optional
 
 import torch
 
-__all__ = ["RngSnapshot", "TensorSnapshot", "Effects"]
+__all__ = ["RngSnapshot", "TensorSnapshot", "Effects", "drawing_from"]
 
 try:  # NumPy is optional: only watched when present
     import numpy as _np
@@ -35,6 +36,26 @@ class Effects:
         return (f"host randomness ({', '.join(self.host)}): a trace would freeze the draws as "
                 "constants, so this class runs the stock step; draw with torch on the step's "
                 "device instead (device randomness is replayed exactly)")
+
+
+@contextlib.contextmanager
+def drawing_from(generator: Optional[torch.Generator]):
+    """The device's default generator draws from ``generator``'s state meanwhile (None: from its
+    own). A CUDA graph captured meanwhile registers that state: every replay reads the seed and
+    offset from that state's own device holder and advances that state, whatever the default
+    generator holds at the time. A pool lane drawing randomness captures and runs under a state
+    of its own (``Lane.generator``), so its replays never share a holder with another lane's.
+    Swaps the process's generator: hold ``cudagraphs.GLOBAL_STATE`` (or the pool's draw lock)."""
+    if generator is None:
+        yield
+        return
+    default = torch.cuda.default_generators[generator.device.index or 0]
+    outside = default.graphsafe_get_state()
+    default.graphsafe_set_state(generator)
+    try:
+        yield
+    finally:
+        default.graphsafe_set_state(outside)
 
 
 class RngSnapshot:

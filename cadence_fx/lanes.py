@@ -20,6 +20,11 @@ stream only when each stream has its own workspace and the workspace size is pin
 workspaces by (handle, stream). A CUDA graph keeps the workspace of the stream it was captured on,
 so two graphs captured on one stream and replayed concurrently would share one workspace: each
 lane captures on its own stream, and replays its graphs on its own stream only.
+
+Device randomness: a graph registers the generator state current at its capture and each replay
+fills that state's seed and offset holder. Lanes 1.. of a step that draws device randomness
+capture and run under a generator state of their own (``Lane.generator``), so their drawing
+chunks overlap on the device instead of taking turns on one holder.
 """
 from __future__ import annotations
 
@@ -38,6 +43,9 @@ class Lane:
         self.index = index
         self.compiled = compiled
         self.stream = stream
+        # the device generator state its graphs register and its calls draw from (lanes 1.. of
+        # a step drawing device randomness on CUDA; None: the default generator's own state)
+        self.generator: Optional[torch.Generator] = compiled.generator
         self.resident: Optional[int] = None   # the session whose regions are in the carries
         self.calls_seen = compiled.counters.calls
         self.swaps = 0
@@ -109,10 +117,26 @@ def make_lanes(compiled, n: int, backend_for_lane: Optional[Callable[[int], obje
     if on_cuda:   # a stream of its own per lane: never one another lane or capture holds
         from .capture_streams import private_stream
     lanes = [Lane(0, compiled, private_stream() if on_cuda else None)]
+    draws = on_cuda and compiled.adapter.effects.device_rng
     for i in range(1, n):
-        lanes.append(Lane(i, _lane_step(compiled, backend_for_lane(i) if backend_for_lane
-                                        else None), private_stream() if on_cuda else None))
+        step = _lane_step(compiled, backend_for_lane(i) if backend_for_lane else None)
+        if draws:
+            _own_generator(step, next(compiled.module.parameters()).device)
+        lanes.append(Lane(i, step, private_stream() if on_cuda else None))
     return lanes
+
+
+def _own_generator(step, device: torch.device) -> None:
+    """Give a lane's step a device generator state of its own (a clone of the default one's).
+    Every graph registers the generator state current at its capture, and a replay fills that
+    state's seed and offset holder on its stream: graphs of several lanes registered with one
+    state would race on its holder, so lanes drawing from one state took turns on the device.
+    With a state of its own a lane's drawing chunks overlap the others'. (The session's own
+    draws are unchanged: the pool loads the session's generator state into the lane's state
+    before each chunk, ``SessionPool._call``.)"""
+    step.generator = torch.cuda.default_generators[device.index or 0].clone_state()
+    if step.backend is not None and hasattr(step.backend, "generator"):
+        step.backend.generator = step.generator   # a backend given by backend_for_lane
 
 
 def _lane_step(compiled, backend):

@@ -71,6 +71,7 @@ class CompiledStep:
         self.module = module
         self.config = config
         self.backend = backend            # chosen at the first class when None
+        self.generator = None             # a lane's own device generator state (lanes.py)
         self.counters = Counters()
         self.auditor = Auditor()
         self.carries: Dict[str, Carry] = {} if carries is None else carries  # may be shared

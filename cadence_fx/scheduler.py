@@ -25,8 +25,8 @@ instead of the loop's thread. Queuing a chunk of thousands of kernels can itself
 device (the driver's launch queue is full: docs/sessions.md, Lanes); from the loop's thread that
 wait holds the loop and every other lane, from a lane's thread only that lane (graph replays
 release the GIL). Results are the same either way: a lane still runs one chunk at a time, a
-session's chunks in order, and steps that draw device randomness take turns
-(``SessionPool``).
+session's chunks in order, and chunks of steps that draw device randomness are queued one at a
+time (each lane draws from a generator state of its own on the device, ``SessionPool``).
 
 What the loop cannot avoid it reports: a class met for the first time in traffic compiles inside
 the dispatch, on the loop's thread, and every lane waits for it (with ``threads=True`` on the

@@ -40,6 +40,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .cudagraphs import GLOBAL_STATE
+from .effects import drawing_from
 from .errors import ContractError, GuardError
 from .lanes import Lane, make_lanes
 
@@ -108,9 +109,6 @@ class SessionPool:
         for lane in self.lanes:   # a session keeps a stock call's state past the next one
             lane.compiled.keep_stock_results = True
         self._generator = None   # the device generator sessions draw from (device randomness)
-        # replays of graphs drawing device randomness read one seed/offset holder per generator
-        # (filled at each replay): lanes take turns for those chunks
-        self._rng_done = None
 
     @property
     def resident(self) -> Optional[int]:
@@ -198,17 +196,18 @@ class SessionPool:
         return result
 
     def _call(self, session: _Session, args, kwargs):
-        """The compiled step of the session's lane, with the session's generator swapped in."""
+        """The compiled step of the session's lane, the session's generator state loaded into
+        the lane's (``Lane.generator``: lanes after the first draw from states of their own, so
+        their drawing chunks overlap on the device)."""
         if session.rng is None:
             return session.lane.compiled(*args, **kwargs)
-        gen, stream = self._generator, session.lane.stream
-        # one generator for the process: one such chunk queued at a time (_DRAWS), and none while
-        # a class compiles or a graph captures (GLOBAL_STATE, shared). The lane's step lock
-        # first, then _DRAWS, then GLOBAL_STATE: a compile inside the call gives the shared hold
-        # back while it waits, and no thread waits for _DRAWS holding it
-        with session.lane.compiled.lock, _DRAWS, GLOBAL_STATE.shared():
-            if stream is not None and self._rng_done is not None and len(self.lanes) > 1:
-                stream.wait_event(self._rng_done)
+        gen = self._generator
+        # one default generator for the process: one such chunk queued at a time (_DRAWS), and
+        # none while a class compiles or a graph captures (GLOBAL_STATE, shared). The lane's
+        # step lock first, then _DRAWS, then GLOBAL_STATE: a compile inside the call gives the
+        # shared hold back while it waits, and no thread waits for _DRAWS holding it
+        with session.lane.compiled.lock, _DRAWS, GLOBAL_STATE.shared(), \
+                drawing_from(session.lane.generator):
             outside = gen.get_state()
             gen.set_state(session.rng)
             try:
@@ -216,8 +215,6 @@ class SessionPool:
             finally:
                 session.rng = gen.get_state()
                 gen.set_state(outside)
-                if stream is not None and len(self.lanes) > 1:
-                    self._rng_done = session.lane.done()
 
     def _check_lane(self, lane: Lane) -> None:
         """The lane's carries still hold its resident session (nobody called its step outside)."""

@@ -479,3 +479,75 @@ def test_a_session_closed_while_its_chunk_is_queued_on_its_lane_thread(monkeypat
         want2, _ = model(x, cache)
     assert torch.equal(first_b, want1) and torch.equal(second_b, want2)
     assert pool.sessions == [1]
+
+
+def test_lanes_of_a_drawing_step_own_generator_states_only_on_cuda():
+    """Lanes after the first draw from a device generator state of their own on CUDA (their
+    graphs register it); lane 0, the CPU and steps that draw nothing keep the default one."""
+    from cadence_fx.models.toy import NOISY_ADAPTER, NoisySourceToy
+    pool = cadence_fx.SessionPool(cadence_fx.compile(NoisySourceToy().to(DEVICE), NOISY_ADAPTER),
+                                  lanes=3)
+    gens = [lane.generator for lane in pool.lanes]
+    if DEVICE == "cpu":
+        assert gens == [None, None, None]
+        return
+    assert gens[0] is None and all(isinstance(g, torch.Generator) for g in gens[1:])
+    assert gens[1] is not gens[2]
+    quiet = cadence_fx.SessionPool(cadence_fx.compile(make_decoder().to(DEVICE), ADAPTER), lanes=2)
+    assert [lane.generator for lane in quiet.lanes] == [None, None]
+
+
+class _SlowNoisy(torch.nn.Module):
+    """``NoisySourceToy`` after about 10 ms of matrix products, in one graph: the draws come
+    long after a replay has filled its generator state's seed and offset holder."""
+
+    def __init__(self):
+        super().__init__()
+        from cadence_fx.models.toy import NoisySourceToy
+        self.noisy = NoisySourceToy()
+        self.big = torch.nn.Parameter(torch.randn(2048, 2048, generator=torch.Generator()
+                                                  .manual_seed(3)) / 45.0)
+
+    def forward(self, x, cache):
+        m = self.big * x.mean()
+        for _ in range(30):
+            m = torch.tanh(m @ self.big)
+        y, cache = self.noisy(x, cache)
+        return y + 1e-3 * m.mean(), cache
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="concurrent replays need CUDA")
+def test_drawing_chunks_of_two_lanes_overlap_on_the_device_and_stay_exact():
+    """Two sessions of a step drawing device randomness, one per lane, their chunks queued back
+    to back from one thread with nothing between them: lane 1's replay fills its generator
+    state's holder while lane 0's graph is still in its matrix products, before its draws. Each
+    lane registered a state of its own, so each session still equals itself alone from its seed
+    (lanes sharing the default state raced on its holder: lane 0 drew lane 1's numbers)."""
+    from cadence_fx.models.toy import NOISY_ADAPTER
+    model = _SlowNoisy().cuda()
+    g = torch.Generator().manual_seed(5)
+    xs = [[torch.randn(1, 16, 8, generator=g).cuda() for _ in range(6)] for _ in range(2)]
+    zero = torch.zeros(1, 16, 2, device="cuda")
+    refs = []
+    for s in range(2):
+        torch.manual_seed(70 + s)
+        cache, outs = zero, []
+        with torch.inference_mode():
+            for x in xs[s]:
+                y, cache = model(x, cache)
+                outs.append(y.cpu())
+        refs.append(outs)
+    pool = cadence_fx.SessionPool(cadence_fx.compile(model, NOISY_ADAPTER), lanes=2)
+    sids = [pool.open(zero, seed=70 + s, lane=s) for s in range(2)]
+    got = [[], []]
+    with torch.inference_mode():
+        for i in range(6):
+            ys = [pool.step(sid, xs[s][i])[0] for s, sid in enumerate(sids)]   # back to back
+            for s, sid in enumerate(sids):
+                got[s].append(_read(pool, sid, ys[s]))
+    torch.cuda.synchronize()
+    for s in range(2):
+        assert [torch.equal(a.cpu(), b) for a, b in zip(got[s], refs[s])] == [True] * 6, \
+            _lanes_report(pool)
+    assert all(lane.compiled.counters.replays >= 5 for lane in pool.lanes), _lanes_report(pool)
+    assert sum(lane.compiled.counters.fallbacks for lane in pool.lanes) == 0
