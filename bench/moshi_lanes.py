@@ -8,7 +8,9 @@ A lane serves one batch of B conversations: ``MoshiStep(mimi, lm_gen, batch=B)``
 ``moshi`` adapter at ``batch=B``, one session of ``SessionPool(compiled, lanes=L)`` per lane. A
 tick sends every lane its next 1920-sample frame (B conversations each) and waits for all of them,
 as a lockstep server does; L x B conversations are real-time when the tick's p99 is within
-``--frame-ms`` (80 ms of audio). Each lane's conversations start from their own seed and input;
+``--frame-ms`` (80 ms of audio). ``queued_p50_ms`` is the host time until every lane's frame was
+queued: near the tick, the lanes wait on the host (drawing chunks are queued one at a time), not
+on the device. Each lane's conversations start from their own seed and input;
 every frame's PCM and tokens are compared (``torch.equal``) with the stock loop at the same batch
 (``lm_gen.streaming(B)``, plain eager, the same seed and frames). Lanes draw device randomness
 (the LM samples), each from a generator state of its own, so their frames overlap on the device
@@ -108,20 +110,22 @@ def _warmed(step, batch, lanes, args):
 
 
 def _ticks(pool, fresh, inputs):
-    """Every lane's session through its frames in lockstep ticks: tick ms, outputs per lane."""
+    """Every lane's session through its frames in lockstep ticks: tick ms, the host ms until
+    every lane's frame was queued (``pool.step`` returned), outputs per lane."""
     sids = [pool.open(fresh, seed=1 + lane, lane=lane) for lane in range(len(inputs))]
-    outs, ticks = [[] for _ in inputs], []
+    outs, ticks, queued = [[] for _ in inputs], [], []
     with torch.no_grad():
         for i in range(len(inputs[0])):
             start = time.perf_counter()
             results = [pool.step(sid, frames[i]) for sid, frames in zip(sids, inputs)]
+            queued.append((time.perf_counter() - start) * 1e3)
             _sync()
             ticks.append((time.perf_counter() - start) * 1e3)
             for lane, r in enumerate(results):
                 outs[lane].append((_host(r[0]), _host(r[1])))
     for sid in sids:
         pool.close(sid)
-    return ticks, outs
+    return ticks, queued, outs
 
 
 def _row(mimi, lm_gen, batch, lanes, refs, inputs, args):
@@ -134,13 +138,15 @@ def _row(mimi, lm_gen, batch, lanes, refs, inputs, args):
         t1 = time.perf_counter()
         if DEVICE == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        ticks, outs = _ticks(pool, fresh, inputs[:lanes])
+        ticks, queued, outs = _ticks(pool, fresh, inputs[:lanes])
         del fresh
         exact = [sum(_same(a, b) for a, b in zip(got, refs[lane])) for lane, got in enumerate(outs)]
         frames, mem = sum(len(o) for o in outs), pool.memory()
         return {"batch": batch, "lanes": lanes, "conversations": batch * lanes,
                 "tick_p50_ms": statistics.median(ticks), "tick_p99_ms": _pct(ticks, 0.99),
                 "tick_max_ms": max(ticks), "ticks": len(ticks),
+                # host-bound when queuing the lanes' frames takes most of the tick
+                "queued_p50_ms": statistics.median(queued),
                 "realtime": _pct(ticks, 0.99) <= args.frame_ms, "bit_exact_frames": sum(exact),
                 "frames": frames, "all_bit_exact": sum(exact) == frames,
                 "compiles": pool.compiles, "warm": warm,
