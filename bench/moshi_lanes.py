@@ -10,15 +10,15 @@ tick sends every lane its next 1920-sample frame (B conversations each) and wait
 as a lockstep server does; L x B conversations are real-time when the tick's p99 is within
 ``--frame-ms`` (80 ms of audio). ``queued_p50_ms`` is the host time until every lane's frame was
 queued: near the tick, the lanes wait on the host (drawing chunks are queued one at a time), not
-on the device. Each lane's conversations start from their own seed and input;
-every frame's PCM and tokens are compared (``torch.equal``) with the stock loop at the same batch
+on the device. Each lane's conversations start from their own seed and input; every frame's PCM
+and tokens are compared (``torch.equal``) with the stock loop at the same batch
 (``lm_gen.streaming(B)``, plain eager, the same seed and frames). Lanes draw device randomness
 (the LM samples), each from a generator state of its own, so their frames overlap on the device
-(``docs/sessions.md``); they are queued one at a time on the host. The 7B LM is bound by memory
-traffic, so the batch is the main lever and memory (the KV rings) its limit. Before the timed ticks every lane runs a
-throwaway conversation (``sessions.warm_lanes``: the LM's delay-filling frames and the steady
-frame are classes of their own), and each row counts the classes still compiled during its
-ticks (``compiles``, which should be 0).
+(``docs/sessions.md``); they are queued one at a time on the host. Memory (the KV rings, below)
+limits the conversations a GPU holds. Before the timed ticks every lane runs a throwaway
+conversation (``sessions.warm_lanes``: the LM's delay-filling frames and the steady frame are
+classes of their own), and each row counts the classes still compiled during its ticks
+(``compiles``, which should be 0).
 
 Memory decides what fits: the 7B LM's KV rings take 1.57 GB per conversation (32 layers, 3000
 frames of context, bf16), so a lane of B conversations holds B x 1.57 GB of carries, and opening

@@ -17,9 +17,9 @@ stock step run eagerly; a call that falls back to stock), a class compile and a 
 process-wide ``cudagraphs.GLOBAL_STATE`` alone, and a drawing chunk holds it shared, so nothing
 computes on the module while a class of it traces (which swaps fake tensors into the module) or
 while another stock call writes its buffers; drawing chunks are queued one at a time (each lane
-draws from a generator state of its own, ``sessions.py``). Replays need none of it. On CUDA (``SessionPool(..., lanes=L)`` queues each
-lane's work on its own stream and returns), a chunk then waits for its own completion, so chunks
-of other lanes are queued and run meanwhile; a chunk spanning several pools (Token2Wav's flow,
+draws from a generator state of its own, ``sessions.py``). Replays need none of it. On CUDA
+(``SessionPool(..., lanes=L)`` queues each lane's work on its own stream and returns), a chunk
+then waits for its own completion, so chunks of other lanes are queued and run meanwhile; a chunk spanning several pools (Token2Wav's flow,
 then HiFT) runs under its first pool's lane stream, which every later pool's lane waits for. On
 the CPU a step returns when it is done.
 """
