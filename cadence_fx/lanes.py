@@ -43,9 +43,6 @@ class Lane:
         self.index = index
         self.compiled = compiled
         self.stream = stream
-        # the device generator state its graphs register and its calls draw from (lanes 1.. of
-        # a step drawing device randomness on CUDA; None: the default generator's own state)
-        self.generator: Optional[torch.Generator] = compiled.generator
         self.resident: Optional[int] = None   # the session whose regions are in the carries
         self.calls_seen = compiled.counters.calls
         self.swaps = 0
@@ -53,6 +50,12 @@ class Lane:
         # classes this lane met for the first time in traffic: (session, its chunk, classes,
         # seconds the call took, compile included)
         self.compile_log: List[tuple] = []
+
+    @property
+    def generator(self) -> Optional[torch.Generator]:
+        """The device generator state its graphs register and its calls draw from (lanes 1.. of
+        a step drawing device randomness on CUDA; None: the default generator's own state)."""
+        return self.compiled.generator
 
     def classes_met(self) -> int:
         """Classes the lane's step has seen: compiled, left stock, or compiling in the background."""
