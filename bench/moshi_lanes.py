@@ -109,9 +109,10 @@ def _warmed(step, batch, lanes, args):
     return pool, fresh, warm
 
 
-def _ticks(pool, fresh, inputs):
+def _ticks(pool, fresh, inputs, profile=False):
     """Every lane's session through its frames in lockstep ticks: tick ms, the host ms until
-    every lane's frame was queued (``pool.step`` returned), outputs per lane."""
+    every lane's frame was queued (``pool.step`` returned), outputs per lane; with ``profile``
+    one more tick (its frames again, not compared) under the profiler: its kernels."""
     sids = [pool.open(fresh, seed=1 + lane, lane=lane) for lane in range(len(inputs))]
     outs, ticks, queued = [[] for _ in inputs], [], []
     with torch.no_grad():
@@ -123,9 +124,32 @@ def _ticks(pool, fresh, inputs):
             ticks.append((time.perf_counter() - start) * 1e3)
             for lane, r in enumerate(results):
                 outs[lane].append((_host(r[0]), _host(r[1])))
+        kernels = _tick_kernels(pool, sids, [frames[-1] for frames in inputs]) if profile \
+            else None
     for sid in sids:
         pool.close(sid)
-    return ticks, queued, outs
+    return ticks, queued, outs, kernels
+
+
+def _tick_kernels(pool, sids, frames):
+    """One tick under the profiler: its wall ms, the kernel ms summed over the lanes' streams
+    (above the wall when lanes overlap on the device), launches, and the top kernels. Whether a
+    tick is the device's time (kernels) or waits (gaps between them)."""
+    if DEVICE != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    _sync()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for sid, frame in zip(sids, frames):
+            pool.step(sid, frame)
+        _sync()
+    wall = (time.perf_counter() - start) * 1e3
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    return {"tick_ms": wall, "kernel_ms": sum(e.self_device_time_total for e in events) / 1e3,
+            "launches": sum(e.count for e in events),
+            "top": [(e.key[:70], round(e.self_device_time_total / 1e3, 2), e.count) for e in
+                    sorted(events, key=lambda e: -e.self_device_time_total)[:12]]}
 
 
 def _row(mimi, lm_gen, batch, lanes, refs, inputs, args):
@@ -138,7 +162,7 @@ def _row(mimi, lm_gen, batch, lanes, refs, inputs, args):
         t1 = time.perf_counter()
         if DEVICE == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        ticks, queued, outs = _ticks(pool, fresh, inputs[:lanes])
+        ticks, queued, outs, kernels = _ticks(pool, fresh, inputs[:lanes], args.profile)
         del fresh
         exact = [sum(_same(a, b) for a, b in zip(got, refs[lane])) for lane, got in enumerate(outs)]
         frames, mem = sum(len(o) for o in outs), pool.memory()
@@ -149,7 +173,7 @@ def _row(mimi, lm_gen, batch, lanes, refs, inputs, args):
                 "queued_p50_ms": statistics.median(queued),
                 "realtime": _pct(ticks, 0.99) <= args.frame_ms, "bit_exact_frames": sum(exact),
                 "frames": frames, "all_bit_exact": sum(exact) == frames,
-                "compiles": pool.compiles, "warm": warm,
+                "compiles": pool.compiles, "warm": warm, "profiled_tick": kernels,
                 "fallbacks": sum(lane.compiled.counters.fallbacks for lane in pool.lanes),
                 "fallback_reasons": [dict(lane.compiled.counters.reasons) for lane in pool.lanes],
                 "lane_bytes": mem["lane_bytes"],
@@ -188,7 +212,10 @@ def _batch_rows(mimi, lm_gen, batch, lane_counts, args, result, start, save):
             save()
             break   # more lanes of this batch need more memory still
         result["rows"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("fallback_reasons", "warm")}),
+        print(json.dumps({k: v for k, v in row.items() if k not in ("fallback_reasons", "warm",
+                                                                     "profiled_tick")}), flush=True)
+        if row.get("profiled_tick"):
+            print(json.dumps(row["profiled_tick"]),
               flush=True)
         save()
 
@@ -206,6 +233,8 @@ def _args():
                                                           "/tmp/cadence-fx-moshi-lanes"))
     ap.add_argument("--small", action="store_true", help="the CPU-sized LM (harness checks)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one more tick per row: kernel ms, launches, top kernels")
     return ap.parse_args()
 
 
