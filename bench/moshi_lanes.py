@@ -177,7 +177,7 @@ def _row(mimi, lm_gen, batch, lanes, refs, inputs, args):
         frames, mem = sum(len(o) for o in outs), pool.memory()
         return {"batch": batch, "lanes": lanes, "conversations": batch * lanes,
                 "tick_p50_ms": statistics.median(ticks), "tick_p99_ms": _pct(ticks, 0.99),
-                "tick_max_ms": max(ticks), "ticks": len(ticks),
+                "tick_max_ms": max(ticks), "ticks": len(ticks), "tick_ms": ticks,
                 # host-bound when queuing the lanes' frames takes most of the tick
                 "queued_p50_ms": statistics.median(queued),
                 "realtime": _pct(ticks, 0.99) <= args.frame_ms, "bit_exact_frames": sum(exact),
@@ -222,7 +222,7 @@ def _batch_rows(mimi, lm_gen, batch, lane_counts, args, result, start, save):
             break   # more lanes of this batch need more memory still
         result["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("fallback_reasons", "warm",
-                                                                     "profiled_tick")}), flush=True)
+                                                                     "profiled_tick", "tick_ms")}), flush=True)
         if row.get("profiled_tick"):
             print(json.dumps(row["profiled_tick"]),
               flush=True)
