@@ -18,7 +18,9 @@ and tokens are compared (``torch.equal``) with the stock loop at the same batch
 limits the conversations a GPU holds. Before the timed ticks every lane runs a throwaway
 conversation (``sessions.warm_lanes``: the LM's delay-filling frames and the steady frame are
 classes of their own), and each row counts the classes still compiled during its ticks
-(``compiles``, which should be 0).
+(``compiles``, which should be 0). Then the objects start-up made are frozen (``gc.freeze()``,
+as a server does after its start; ``--no-gc-freeze`` leaves them): at 12b1985 one full collection
+of them stopped a tick for 930 ms. Each row records the collector's pauses during its ticks.
 
 Kernels are not pinned (``--deterministic`` pins them, on both sides): the stock Moshi frame is
 reproducible against itself without, as the vendor runs it, and pinned kernels cost a frame of
@@ -44,6 +46,7 @@ that many seconds, and ``--batches``, ``--lanes``, ``--frames`` shrink it. Each 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -121,9 +124,12 @@ def _warmed(step, batch, lanes, args):
 def _ticks(pool, fresh, inputs, profile=False):
     """Every lane's session through its frames in lockstep ticks: tick ms, the host ms until
     every lane's frame was queued (``pool.step`` returned), outputs per lane; with ``profile``
-    one more tick (its frames again, not compared) under the profiler: its kernels."""
+    one more tick (its frames again, not compared) under the profiler: its kernels; and the ms
+    to open the sessions (their fresh states copied in, timed apart from the ticks)."""
+    start = time.perf_counter()
     sids = [pool.open(fresh, seed=1 + lane, lane=lane) for lane in range(len(inputs))]
-    outs, ticks, queued = [[] for _ in inputs], [], []
+    _sync()   # the fresh state is copied into every lane's carries before the first tick
+    outs, ticks, queued = [[] for _ in inputs], [], [(time.perf_counter() - start) * 1e3]
     with torch.no_grad():
         for i in range(len(inputs[0])):
             start = time.perf_counter()
@@ -137,7 +143,7 @@ def _ticks(pool, fresh, inputs, profile=False):
             else None
     for sid in sids:
         pool.close(sid)
-    return ticks, queued, outs, kernels
+    return ticks, queued[1:], outs, kernels, queued[0]
 
 
 def _tick_kernels(pool, sids, frames):
@@ -168,10 +174,14 @@ def _row(mimi, lm_gen, batch, lanes, refs, inputs, args):
     step = M.MoshiStep(mimi, lm_gen, batch=batch)
     try:
         pool, fresh, warm = _warmed(step, batch, lanes, args)
+        if args.gc_freeze:   # what start-up made (graphs, traces, modules) is never collected again
+            gc.collect()
+            gc.freeze()
         t1 = time.perf_counter()
         if DEVICE == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        ticks, queued, outs, kernels = _ticks(pool, fresh, inputs[:lanes], args.profile)
+        with _gc_pauses() as pauses:
+            ticks, queued, outs, kernels, open_ms = _ticks(pool, fresh, inputs[:lanes], args.profile)
         del fresh
         exact = [sum(_same(a, b) for a, b in zip(got, refs[lane])) for lane, got in enumerate(outs)]
         frames, mem = sum(len(o) for o in outs), pool.memory()
@@ -180,9 +190,12 @@ def _row(mimi, lm_gen, batch, lanes, refs, inputs, args):
                 "tick_max_ms": max(ticks), "ticks": len(ticks), "tick_ms": ticks,
                 # host-bound when queuing the lanes' frames takes most of the tick
                 "queued_p50_ms": statistics.median(queued),
+                "open_ms": open_ms,   # opening the lanes' sessions: their states copied in
                 "realtime": _pct(ticks, 0.99) <= args.frame_ms, "bit_exact_frames": sum(exact),
                 "frames": frames, "all_bit_exact": sum(exact) == frames,
                 "compiles": pool.compiles, "warm": warm, "profiled_tick": kernels,
+                "gc_collections": len(pauses), "gc_ms_max": max(pauses, default=0.0),
+                "gc_frozen_objects": gc.get_freeze_count(),
                 "fallbacks": sum(lane.compiled.counters.fallbacks for lane in pool.lanes),
                 "fallback_reasons": [dict(lane.compiled.counters.reasons) for lane in pool.lanes],
                 "lane_bytes": mem["lane_bytes"],
@@ -193,11 +206,30 @@ def _row(mimi, lm_gen, batch, lanes, refs, inputs, args):
         _free(step, pool)
 
 
+@contextlib.contextmanager
+def _gc_pauses():
+    """The collector's pauses (ms) while the block runs."""
+    pauses, began = [], []
+
+    def track(phase, info):
+        if phase == "start":
+            began.append(time.perf_counter())
+        elif began:
+            pauses.append((time.perf_counter() - began.pop()) * 1e3)
+
+    gc.callbacks.append(track)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(track)
+
+
 def _free(step, pool):
     for lane in (pool.lanes if pool is not None else ()):
         lane.compiled.close()
     step.close()   # the modules leave streaming: the stock loop or another batch can stream
     del step, pool
+    gc.unfreeze()   # the row's graphs and modules can be collected now
     gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -244,6 +276,8 @@ def _args():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--deterministic", action="store_true",
                     help="pin deterministic kernels on both sides (not needed: see the docstring)")
+    ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                    help="leave the objects start-up made to the collector (default: gc.freeze())")
     ap.add_argument("--profile", action="store_true",
                     help="profile one more tick per row: kernel ms, launches, top kernels")
     return ap.parse_args()
