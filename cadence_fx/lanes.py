@@ -11,7 +11,11 @@ lane (``release_envelopes``: one ``Envelopes`` lends them to every lane's compil
 traces (a lane copies the first lane's traces instead of tracing again) and compiled classes:
 each class a lane compiles once the pool exists is frozen as the compile cache stores it
 (``stored_class``), and the other lanes thaw it (``counters.lane_loads``) instead of running the
-passes and the probationary call again; only the capture is a lane's own. On the H200 a lane of
+passes and the probationary call again; only the capture is a lane's own. Every lane reads and
+writes the first lane's compile cache (``cache_dir``): a class a lane compiles first is stored
+for restarts, and a lane meeting a class no lane has in this process loads it from there (before
+2026-12-03 lanes 1.. had no cache: a class only they met was never stored, and on a restart they
+traced and compiled again every class lane 0 had loaded). On the H200 a lane of
 the Token2Wav flow took 35-38 s to prepare from trace copies (f5290cd), 4.7-8.7 s thawed (f563547).
 
 cuBLAS and bitwise results: cuBLAS gives bitwise-identical results for the same call on any
@@ -144,7 +148,8 @@ def _own_generator(step, device: torch.device) -> None:
 
 def _lane_step(compiled, backend):
     """A compiled step like ``compiled``: same module, adapter and options; its own carries,
-    private buffers and backend; the first lane's envelopes, traces and compiled classes."""
+    private buffers and backend; the first lane's envelopes, traces, compiled classes and
+    compile cache."""
     import dataclasses
     from .runtime import CompiledStep
     config = dataclasses.replace(compiled.config, keep_before=False, cache_dir=None,
@@ -153,4 +158,7 @@ def _lane_step(compiled, backend):
                         trace_cache=compiled.store.share_traces(), envelopes=compiled.envelopes,
                         class_cache=compiled.store.share_classes())
     lane.kernel_store = compiled.kernel_store
+    # the first lane's compile cache: a class a lane compiles first is stored for restarts too,
+    # and a class the pool has not met yet loads from it on any lane
+    lane.compile_cache = compiled.compile_cache
     return lane

@@ -39,7 +39,7 @@ from cadence_fx.passes.fx_utils import is_mutating, mutated_arg, view_chain
 __all__ = ["one_thread", "StreamingConformer", "CONFORMER_ADAPTER", "STACKED_ADAPTER", "CLOCKS", "LAYERS", "BINS", "PROMPT",
            "CHUNKS", "FLUSH", "make_model", "prompt_feats", "chunk_feats", "clone_state",
            "prime", "run_turns", "interleave", "run_alone", "serve_scripts", "assert_calls_equal",
-           "assert_sessions_equal", "joins_feeding_carries", "State"]
+           "assert_sessions_equal", "joins_feeding_carries", "served", "State"]
 
 LAYERS, D_MODEL, HEADS, FFN, BINS, KERNEL = 3, 64, 4, 256, 80, 5
 PROMPT, WINDOW, CHUNKS, FLUSH = 16, 24, (8, 12), 4
@@ -372,3 +372,37 @@ def joins_feeding_carries(entry, joins) -> List[Tuple[str, str]]:
             if src is not dst and base.op == "call_function" and base.target in joins:
                 found.append((view_chain(dst)[0].name, base.name))
     return found
+
+
+# -- served ----------------------------------------------------------------------------------
+
+def served(device, cache_dir=None, full=None):
+    """The conformer as ``cadence_fx.serve`` serves it (``build("streaming_conformer:served",
+    device)``): a session opens primed with its speaker's prompt (``{"speaker": (1,) int64}``,
+    speaker 0 by default; the priming pass dithers from a generator seeded by the speaker, so a
+    speaker's start state is the same wherever it is primed, and leaves the process's generators
+    as they were), and each chunk sends ``{"feats": (1, frames, BINS)}`` (8 or 12 frames, a 4-frame
+    flush) and gets ``{"out": (1, frames, d_model)}`` back. Every chunk draws device randomness
+    (the dither): a session opened with ``seed`` draws from a generator state of its own."""
+    import cadence_fx
+    from cadence_fx.serve.models import ServedModel, need
+    model = make_model().to(device)
+
+    def start(prompt):
+        speaker = int(need(prompt, "speaker", (1,))[0]) if prompt else 0
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                torch.no_grad():
+            torch.manual_seed(1000 + speaker)
+            _, state = model(prompt_feats(speaker).to(device), None)
+        return {"step": clone_state(state)}
+
+    def chunk(run, inputs, last):
+        return {"out": run("step", need(inputs, "feats", (1, None, BINS)).to(device))[0]}
+
+    def example(seed, i):   # both chunk widths, then the flush
+        return {"feats": chunk_feats([CHUNKS[i % 2] if i < 5 else FLUSH], seed=1000 * seed + i)[0]}
+
+    compiled = cadence_fx.compile(model, CONFORMER_ADAPTER, cache_dir=cache_dir)
+    return ServedModel("streaming-conformer", {"step": model}, {"step": compiled}, start, chunk,
+                       example, deadline_ms=80.0, warm_chunks=6,
+                       config={"layers": LAYERS, "window": WINDOW, "prompt": PROMPT})
