@@ -19,8 +19,11 @@ limits the conversations a GPU holds. Before the timed ticks every lane runs a t
 conversation (``sessions.warm_lanes``: the LM's delay-filling frames and the steady frame are
 classes of their own), and each row counts the classes still compiled during its ticks
 (``compiles``, which should be 0). Then the objects start-up made are frozen (``gc.freeze()``,
-as a server does after its start; ``--no-gc-freeze`` leaves them): at 12b1985 one full collection
-of them stopped a tick for 930 ms. Each row records the collector's pauses during its ticks.
+as a server does after its start; ``--no-gc-freeze`` leaves them): at 12b1985, nothing frozen,
+one of 48 ticks took 989 ms (the others 59-61 ms after the first), and with start-up's objects
+frozen (00dd56f) no tick of 64 did, the longest collection 0.2 ms; that run did not record the
+collector, so the 989 ms tick is most likely, not surely, a full collection. Each row records
+the collector's pauses during its ticks.
 
 Kernels are not pinned (``--deterministic`` pins them, on both sides): the stock Moshi frame is
 reproducible against itself without, as the vendor runs it, and pinned kernels cost a frame of

@@ -1,5 +1,5 @@
-"""The tools that turn benchmark runs into the committed result: merging suite processes and
-checking the targets. Pure JSON logic, no device."""
+"""The tools that turn benchmark runs into the committed result: merging suite processes,
+checking the targets, putting the Moshi row into the lanes result. Pure JSON logic, no device."""
 import json
 import os
 import sys
@@ -7,6 +7,7 @@ import sys
 import pytest
 
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import lanes_merge  # noqa: E402
 import suite_merge  # noqa: E402
 import suite_report  # noqa: E402
 
@@ -69,3 +70,24 @@ def test_report_writes_the_table_with_every_configuration(tmp_path):
     merged = suite_merge.merge([("p1", _run("a", E=_row(500.0, floor=52.0), SRc=_row(60.0)))])
     table = suite_report.table(merged)
     assert "| SRc | 60.0 |" in table and "| E | 500.0 |" in table and "**Targets**" in table
+
+
+def test_lanes_merge_copies_the_moshi_count_with_where_it_came_from(tmp_path):
+    lanes = {"commit": "a", "cadence_realtime_sessions_churn": 24, "moshi_conversations_per_gpu": None}
+    good = {"batch": 16, "lanes": 4, "conversations": 64, "tick_p50_ms": 61.0, "tick_p99_ms": 63.0,
+            "tick_max_ms": 95.0, "realtime": True, "all_bit_exact": True}
+    moshi = {"commit": "b", "moshi_conversations_per_gpu": 64, "all_bit_exact": True,
+             "best": {"batch": 16, "lanes": 4, "tick_p99_ms": 63.0},
+             "rows": [good, {"batch": 32, "lanes": 2, "error": "out of memory"}]}
+    a, b = tmp_path / "lanes.json", tmp_path / "moshi-lanes-b.json"
+    a.write_text(json.dumps(lanes))
+    b.write_text(json.dumps(moshi))
+    lanes_merge.main([str(a), str(b)])
+    merged = json.loads(a.read_text())
+    assert merged["moshi_conversations_per_gpu"] == 64 and merged["commit"] == "a"
+    assert merged["cadence_realtime_sessions_churn"] == 24
+    assert merged["moshi"]["file"] == "moshi-lanes-b.json" and merged["moshi"]["commit"] == "b"
+    assert merged["moshi"]["rows"] == [good]
+    b.write_text(json.dumps({"rows": []}))   # an unfinished run says what to give
+    with pytest.raises(SystemExit, match="moshi_lanes.py"):
+        lanes_merge.main([str(a), str(b)])
