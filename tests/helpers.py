@@ -132,3 +132,26 @@ def depformer_offsets(x):
     y = x + a * 3
     a.add_(1)
     return y * t, t + 1
+
+
+def talk_at_once(plans, timeout: float = 300.0) -> None:
+    """Each ``(talker, [(turn, chunks), ...])`` says its turns from a thread of its own, all at
+    once, as a replica's worker threads run their sessions' requests; an error in any thread is
+    raised here."""
+    import threading
+    errors = []
+
+    def talk(talker, turns):
+        try:
+            for turn, chunks in turns:
+                talker.say(turn, chunks)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=talk, args=plan) for plan in plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), f"a talker still runs after {timeout} s"

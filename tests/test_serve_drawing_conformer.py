@@ -7,13 +7,13 @@ replica (same compile cache: nothing traced). Every session equals itself run al
 step from the same seed, and the compiled path is what ran. On CUDA (the device's ``-m gpu``) the
 lanes' graphs draw from generator states of their own (lane 0 the default one), which is what
 this file exercises there; on the CPU lanes own none and the same sessions must still be exact."""
-import threading
 
 import pytest
 import torch
 
 from cadence_fx.serve.engine import PoolEngine
 from cadence_fx.serve.models import StockSession, build
+from helpers import talk_at_once
 from streaming_conformer import CHUNKS, FLUSH, chunk_feats
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,22 +77,7 @@ def test_drawing_sessions_on_two_lanes_from_threads_equal_stock_alone(cache):
     c = Talker(engine, model, 1, seed=13)
     assert engine.lane_of(c.sid) == lane and engine.live == 2
 
-    errors = []
-
-    def talk(t, turns):
-        try:
-            for turn, chunks in turns:
-                t.say(turn, chunks)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=talk, args=(b, [(1, 7), (2, 3)])),
-               threading.Thread(target=talk, args=(c, [(0, 9), (1, 2)]))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors, errors
+    talk_at_once([(b, [(1, 7), (2, 3)]), (c, [(0, 9), (1, 2)])])
     k = engine.counters()
     assert k["compiled_calls"] >= a.chunks + b.chunks + c.chunks and k["fallbacks"] == 0, k
     for t in (b, c):

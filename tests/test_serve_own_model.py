@@ -5,13 +5,13 @@ and leaving on two lanes, chunks sent from threads at once, turn resets ending o
 chunk, a restart on the same compile cache. Every session equals itself run alone on the stock
 step; the compiled path is what ran. Bad model names say what to give."""
 import argparse
-import threading
 
 import pytest
 import torch
 
 from cadence_fx.serve.engine import PoolEngine
 from cadence_fx.serve.models import ServedModel, StockSession, build
+from helpers import talk_at_once
 from streaming_prompt_decoder import CHUNK, FLUSH, PROMPT, VOCAB
 
 OWN = "streaming_prompt_decoder:served"
@@ -71,22 +71,7 @@ def test_own_model_sessions_arrive_and_leave_on_two_lanes_exact_against_stock(ca
     c = Speaker(engine, model, 3)
     assert engine.lane_of(c.sid) == lane and engine.live == 2
 
-    errors = []
-
-    def talk(s, turns):
-        try:
-            for turn, chunks in turns:
-                s.say(turn, chunks)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=talk, args=(b, [(1, 8), (2, 2)])),
-               threading.Thread(target=talk, args=(c, [(0, 10), (1, 1)]))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    talk_at_once([(b, [(1, 8), (2, 2)]), (c, [(0, 10), (1, 1)])])
     counters = engine.counters()
     assert counters["compiled_calls"] >= a.chunks + b.chunks + c.chunks
     assert counters["fallbacks"] == 0
