@@ -70,3 +70,17 @@ def parser(description: str, **numbers: int) -> argparse.ArgumentParser:
     for name, default in numbers.items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     return ap
+
+
+def busy_us(intervals: Sequence[Tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals: the time a device was busy with
+    kernels that may overlap (several streams), each instant counted once."""
+    total, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total

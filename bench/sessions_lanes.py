@@ -19,7 +19,9 @@ row took 219 s at 62217a0, much of it its references run one after another here)
 the priming pass p50 (stock ``setup_cache`` and the compiled priming class, CUDA events after
 warm-up) with each one's kernel time and launches (``*priming_kernels``: the compiled class is one
 device graph, nothing eager, so its p50 over its kernel time says what is left to gain), the fraction of wall time the GPU spends in kernels (profiler) for stock and for the
-best row, and peak memory (``torch.cuda.max_memory_allocated``) with memory per lane and session.
+best row (``summed``: kernel time over wall, above ``busy`` when lanes overlap; ``busy``: the union
+of the kernels' intervals; the best row's is its traffic again, ``--fraction-s``, measured after
+the rows whatever ``--budget-s`` says), and peak memory (``torch.cuda.max_memory_allocated``) with memory per lane and session.
 Moshi batches per lane are measured by ``bench/moshi_lanes.py`` (``moshi_conversations_per_gpu`` is
 null here).
 Rows stop once ``--budget-s`` is spent (recorded under ``skipped``).
@@ -470,9 +472,13 @@ def _priming_ms(fn, repeat):
 
 
 def _kernel_fraction(fn):
-    """Fraction of wall time the GPU spends in kernels while ``fn`` runs (profiler)."""
+    """Fraction of wall time the GPU spends in kernels while ``fn`` runs (profiler): the device
+    time of every kernel summed over the wall (above the busy fraction when lanes overlap on the
+    device, and it can pass 1), and the busy fraction, the union of the kernels' intervals over
+    every stream (None, with ``busy_why``, where the profiler gives no device intervals)."""
     if DEVICE != "cuda":
         return None
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     _sync()
     t = time.perf_counter()
@@ -481,7 +487,20 @@ def _kernel_fraction(fn):
         _sync()
     wall_us = (time.perf_counter() - t) * 1e6
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return kernel_us / wall_us
+    out = {"summed": kernel_us / wall_us, "busy": None, "wall_s": wall_us / 1e6}
+    try:
+        spans = [(e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3)
+                 for e in prof.profiler.kineto_results.events()
+                 if e.device_type() == DeviceType.CUDA and e.duration_ns() > 0]
+    except (AttributeError, RuntimeError) as e:   # another torch's profiler API
+        out["busy_why"] = f"no device intervals: {type(e).__name__}: {e}"
+        return out
+    if not spans:
+        out["busy_why"] = "the profiler recorded no device intervals"
+        return out
+    import common   # bench/ is on the path (main)
+    out["busy"] = common.busy_us(spans) / wall_us
+    return out
 
 
 def _kernels(fn):
@@ -537,11 +556,16 @@ def _lane_rows(result, served, flow, hift, lanes, args, start, save):
     best = max(good, key=lambda r: (r["sessions"], -r["lanes"]), default=None)
     result["cadence_realtime_sessions_churn"] = best["sessions"] if best else 0
     result["best"] = best and {"lanes": best["lanes"], "sessions": best["sessions"]}
-    if best is not None and time.perf_counter() - start < args.budget_s + 60:
+    if best is not None and args.fraction_s > 0:
+        # the best row's traffic again under the profiler (no references), its N conversations
+        # arriving in a burst, all within about a second, so most of the window is at full load
         served.use = best["lanes"]
-        result["cadence_kernel_fraction"] = _kernel_fraction(lambda: asyncio.run(_churn(
-            served, best["sessions"], 1.0, args.gap_ms, args.budget_ms, args.period_ms / 1e3, 99,
-            args.threads, args.arrivals)))
+        frac = _kernel_fraction(lambda: asyncio.run(_churn(
+            served, best["sessions"], args.fraction_s, args.gap_ms, args.budget_ms,
+            args.period_ms / 1e3, 99, args.threads, "burst")))
+        if frac is not None:
+            result["cadence_kernel_fraction"] = dict(frac, lanes=best["lanes"],
+                                                     sessions=best["sessions"], arrivals="burst")
 
 
 def _compiled_priming(result, lane0, prime):
@@ -574,6 +598,11 @@ def _args():
     ap.add_argument("--period-ms", type=float, default=1000.0, help="audio per chunk")
     ap.add_argument("--budget-ms", type=float, default=900.0, help="a chunk's deadline")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop adding rows after this")
+    ap.add_argument("--fraction-s", type=float, default=1.0,
+                    help="the best row's traffic again under the profiler, for the fraction of "
+                         "wall time in kernels: conversations of this mean length in seconds, "
+                         "slots open twice as long; after the rows whatever --budget-s says "
+                         "(0: not measured)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--threads", action="store_true",
                     help="the scheduler queues each lane's chunks from a thread of its own")

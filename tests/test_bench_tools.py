@@ -7,6 +7,7 @@ import sys
 import pytest
 
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import common  # noqa: E402
 import lanes_merge  # noqa: E402
 import suite_merge  # noqa: E402
 import suite_report  # noqa: E402
@@ -91,3 +92,11 @@ def test_lanes_merge_copies_the_moshi_count_with_where_it_came_from(tmp_path):
     b.write_text(json.dumps({"rows": []}))   # an unfinished run says what to give
     with pytest.raises(SystemExit, match="moshi_lanes.py"):
         lanes_merge.main([str(a), str(b)])
+
+
+def test_busy_time_counts_each_instant_of_overlapping_kernels_once():
+    assert common.busy_us([]) == 0.0
+    assert common.busy_us([(0, 10), (20, 25)]) == 15.0                 # apart
+    assert common.busy_us([(0, 10), (5, 12), (11, 13)]) == 13.0        # chained overlaps
+    assert common.busy_us([(3, 4), (0, 10)]) == 10.0                   # one inside another
+    assert common.busy_us([(0, 5), (5, 7)]) == 7.0                     # touching
