@@ -26,10 +26,10 @@ collector, so the 989 ms tick is most likely, not surely, a full collection. Eac
 the collector's pauses during its ticks.
 
 Kernels are not pinned (``--deterministic`` pins them, on both sides): the stock Moshi frame is
-reproducible against itself without, as the vendor runs it, and pinned kernels cost a frame of
-batch 16 about a third of its kernel time (at 5f5a256, 46 ms of kernels a frame, 14,539 launches:
-every uninitialized tensor filled, ``fill_uninitialized_memory``, and every ring write an
-``index_put`` that sorts its indices). Lanes need only ``CUBLAS_WORKSPACE_CONFIG`` (set here
+reproducible against itself without, as the vendor runs it, and pinned kernels took a frame of
+batch 16 2.5x the kernel time (46.3 ms and 14,539 launches at 5f5a256 against 18.5 ms and 3,275
+at c01e663: every uninitialized tensor filled, ``fill_uninitialized_memory``, and every ring
+write an ``index_put`` that sorts its indices). Lanes need only ``CUBLAS_WORKSPACE_CONFIG`` (set here
 when absent, before CUDA starts), for one cuBLAS workspace per stream.
 
 Memory decides what fits: the 7B LM's KV rings take 1.57 GB per conversation (32 layers, 3000
@@ -37,12 +37,12 @@ frames of context, bf16), so a lane of B conversations holds B x 1.57 GB of carr
 the lanes' sessions holds one more fresh state of that size until their first frame. A row that
 runs out of memory is recorded with its error and larger lane counts of that batch are skipped.
 
-What takes the time on one H200 (estimates from the batch-1 measurements: a cold compile of the
-frame's classes about 40-70 s, a warm start from the compile cache about 5 s, an eager frame
-about 150 ms): building the 7B LM, 5 s; per batch the stock references (max lanes x frames eager
-frames), 5-15 s; the first row of a batch compiles cold, 40-90 s; later rows of that batch load
-from ``--cache-dir``, about 5-10 s a lane; the ticks themselves, a few seconds. The whole default
-run (3 batches, lanes 1 and 2) should take 4-6 minutes; ``--budget-s`` stops adding rows after
+What takes the time on one H200 (measured at batch 16, kernels not pinned, c01e663 to 00dd56f):
+building the 7B LM, 3-4 s; per batch the stock references (max lanes x frames eager frames),
+9 s for 4 x 12 frames, 52 s for 4 x 64; the first row of a batch compiles lane 0 cold, 170-180 s
+(with exact fusion), and its other lanes thaw lane 0's classes in 1.4-2.6 s each; a later row of
+that batch loads lane 0 from ``--cache-dir`` in about 10 s; the ticks themselves, a few seconds.
+A row of 4 lanes of 16 with 64 frames took 240 s in all. ``--budget-s`` stops adding rows after
 that many seconds, and ``--batches``, ``--lanes``, ``--frames`` shrink it. Each row records its
 ``seconds`` per part, to check these figures against.
 """
@@ -256,11 +256,10 @@ def _batch_rows(mimi, lm_gen, batch, lane_counts, args, result, start, save):
             save()
             break   # more lanes of this batch need more memory still
         result["rows"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("fallback_reasons", "warm",
-                                                                     "profiled_tick", "tick_ms")}), flush=True)
+        quiet = ("fallback_reasons", "warm", "profiled_tick", "tick_ms")
+        print(json.dumps({k: v for k, v in row.items() if k not in quiet}), flush=True)
         if row.get("profiled_tick"):
-            print(json.dumps(row["profiled_tick"]),
-              flush=True)
+            print(json.dumps(row["profiled_tick"]), flush=True)
         save()
 
 
