@@ -23,7 +23,8 @@ from typing import Callable, Sequence, Tuple, TypeVar
 
 import torch
 
-__all__ = ["DEADLINE_MS", "p95", "median", "cuda_timed", "run_info", "write_result", "parser"]
+__all__ = ["DEADLINE_MS", "p95", "median", "cuda_timed", "run_info", "write_result", "parser",
+           "busy_us"]
 
 T = TypeVar("T")
 

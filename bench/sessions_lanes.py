@@ -471,27 +471,35 @@ def _priming_ms(fn, repeat):
     return statistics.median(times)
 
 
+def _is_kernel(name: str) -> bool:
+    """A device activity that is a kernel: not a copy or a fill the driver runs."""
+    return not name.startswith(("Memcpy", "Memset"))
+
+
 def _kernel_fraction(fn):
-    """Fraction of wall time the GPU spends in kernels while ``fn`` runs (profiler): the device
-    time of every kernel summed over the wall (above the busy fraction when lanes overlap on the
-    device, and it can pass 1), and the busy fraction, the union of the kernels' intervals over
-    every stream (None, with ``busy_why``, where the profiler gives no device intervals)."""
+    """Fraction of wall time the GPU spends in kernels while ``fn`` runs (profiler; the wall is
+    timed inside the profiled block, so the profiler's start and its flush are not in it): the
+    device time of every kernel summed over the wall (above the busy fraction when lanes overlap
+    on the device, and it can pass 1), and the busy fraction, the union of the kernels'
+    intervals over every stream (None, with ``busy_why``, where the profiler gives no device
+    intervals). Copies and fills (``Memcpy``, ``Memset``) and annotations are not kernels."""
     if DEVICE != "cuda":
         return None
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    _sync()
-    t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _sync()
+        t = time.perf_counter()
         fn()
         _sync()
-    wall_us = (time.perf_counter() - t) * 1e6
-    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+        wall_us = (time.perf_counter() - t) * 1e6
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages() if _is_kernel(e.key))
     out = {"summed": kernel_us / wall_us, "busy": None, "wall_s": wall_us / 1e6}
     try:
         spans = [(e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3)
                  for e in prof.profiler.kineto_results.events()
-                 if e.device_type() == DeviceType.CUDA and e.duration_ns() > 0]
+                 if e.device_type() == DeviceType.CUDA and e.duration_ns() > 0
+                 and not e.is_user_annotation() and _is_kernel(e.name())]
     except (AttributeError, RuntimeError) as e:   # another torch's profiler API
         out["busy_why"] = f"no device intervals: {type(e).__name__}: {e}"
         return out

@@ -62,8 +62,14 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("drawing-conformer-cache")
 
 
-def test_drawing_sessions_on_two_lanes_from_threads_equal_stock_alone(cache):
-    model = build(OWN, device=DEVICE, cache_dir=cache)
+def _replayed_on_every_lane(engine):
+    """On CUDA every lane's chunks replayed captured graphs (on the CPU there are none)."""
+    lanes = engine.pools["step"].lanes
+    return DEVICE != "cuda" or all(lane.compiled.counters.replays > 0 for lane in lanes)
+
+
+def test_drawing_sessions_on_two_lanes_from_threads_equal_stock_alone(tmp_path):
+    model = build(OWN, device=DEVICE, cache_dir=tmp_path)
     engine = PoolEngine(model, lanes=2)
     warm = engine.warm()
     assert warm["traces"] > 0 and warm["fallbacks"] == 0, warm
@@ -80,6 +86,7 @@ def test_drawing_sessions_on_two_lanes_from_threads_equal_stock_alone(cache):
     talk_at_once([(b, [(1, 7), (2, 3)]), (c, [(0, 9), (1, 2)])])
     k = engine.counters()
     assert k["compiled_calls"] >= a.chunks + b.chunks + c.chunks and k["fallbacks"] == 0, k
+    assert _replayed_on_every_lane(engine)
     for t in (b, c):
         engine.close(t.sid)
     assert engine.live == 0
@@ -88,13 +95,17 @@ def test_drawing_sessions_on_two_lanes_from_threads_equal_stock_alone(cache):
 def test_a_session_lost_with_its_replica_is_retried_from_its_start_on_a_restarted_one(cache):
     """The replica dies mid-turn; the client opens the same speaker and seed on the restarted
     replica (same cache: nothing traced) and sends the turn again: every chunk equals stock
-    alone, on the lane that draws from a state of its own as well as on lane 0."""
+    alone, on the lane that draws from a state of its own as well as on lane 0. The lost session
+    met a class on lane 1 only (its first chunk is 12 frames wide, the warm-up's 8): the
+    restarted replica loads it from the cache, which lane 1 wrote."""
     model = build(OWN, device=DEVICE, cache_dir=cache)
     first = PoolEngine(model, lanes=2)
     first.warm()                              # the cache holds every class the warm-up visits
     lost = Talker(first, model, 3, seed=21, lane=1)
     lost.say(0, 6, stop_after=4)              # the replica is lost here: no reply, no state
-    del first, lost
+    lanes = first.pools["step"].lanes
+    assert set(lanes[1].compiled.classes) - set(lanes[0].compiled.classes)
+    del first, lost, lanes
 
     model = build(OWN, device=DEVICE, cache_dir=cache)   # what a restarted replica builds
     engine = PoolEngine(model, lanes=2)
@@ -108,3 +119,5 @@ def test_a_session_lost_with_its_replica_is_retried_from_its_start_on_a_restarte
         engine.close(again.sid)
     k = engine.counters()
     assert k["traces"] == 0 and k["fallbacks"] == 0 and k["compiled_calls"] >= 22, k
+    assert all(lane.compiled.counters.compiled_loads > 0 for lane in engine.pools["step"].lanes)
+    assert _replayed_on_every_lane(engine)
