@@ -50,7 +50,6 @@ that many seconds, and ``--batches``, ``--lanes``, ``--frames`` shrink it. Each 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import json
@@ -64,6 +63,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # before CUDA star
 import torch  # noqa: E402
 
 import cadence_fx  # noqa: E402
+import common  # noqa: E402 - bench/common.py, beside this script
 from cadence_fx.models import moshi as M  # noqa: E402
 from cadence_fx.sessions import warm_lanes  # noqa: E402
 
@@ -164,11 +164,7 @@ def _tick_kernels(pool, sids, frames):
             pool.step(sid, frame)
         _sync()
         wall = (time.perf_counter() - start) * 1e3
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    return {"tick_ms": wall, "kernel_ms": sum(e.self_device_time_total for e in events) / 1e3,
-            "launches": sum(e.count for e in events),
-            "top": [(e.key[:70], round(e.self_device_time_total / 1e3, 2), e.count) for e in
-                    sorted(events, key=lambda e: -e.self_device_time_total)[:12]]}
+    return dict(common.kernel_summary(prof, top=12, width=70), tick_ms=wall)
 
 
 def _row(mimi, lm_gen, batch, lanes, refs, inputs, args):
@@ -184,7 +180,7 @@ def _row(mimi, lm_gen, batch, lanes, refs, inputs, args):
         t1 = time.perf_counter()
         if DEVICE == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        with _gc_pauses() as pauses:
+        with common.GcPauses() as pauses:
             ticks, queued, outs, kernels, open_ms = _ticks(pool, fresh, inputs[:lanes], args.profile)
         del fresh
         exact = [sum(_same(a, b) for a, b in zip(got, refs[lane])) for lane, got in enumerate(outs)]
@@ -198,8 +194,7 @@ def _row(mimi, lm_gen, batch, lanes, refs, inputs, args):
                 "realtime": _pct(ticks, 0.99) <= args.frame_ms, "bit_exact_frames": sum(exact),
                 "frames": frames, "all_bit_exact": sum(exact) == frames,
                 "compiles": pool.compiles, "warm": warm, "profiled_tick": kernels,
-                "gc_collections": len(pauses), "gc_ms_max": max(pauses, default=0.0),
-                "gc_frozen_objects": gc.get_freeze_count(),
+                **pauses.report(), "gc_frozen_objects": gc.get_freeze_count(),
                 "fallbacks": sum(lane.compiled.counters.fallbacks for lane in pool.lanes),
                 "fallback_reasons": [dict(lane.compiled.counters.reasons) for lane in pool.lanes],
                 "lane_bytes": mem["lane_bytes"],
@@ -208,24 +203,6 @@ def _row(mimi, lm_gen, batch, lanes, refs, inputs, args):
                 "seconds": {"build_and_warm": t1 - t0, "ticks": time.perf_counter() - t1}}
     finally:
         _free(step, pool)
-
-
-@contextlib.contextmanager
-def _gc_pauses():
-    """The collector's pauses (ms) while the block runs."""
-    pauses, began = [], []
-
-    def track(phase, info):
-        if phase == "start":
-            began.append(time.perf_counter())
-        elif began:
-            pauses.append((time.perf_counter() - began.pop()) * 1e3)
-
-    gc.callbacks.append(track)
-    try:
-        yield pauses
-    finally:
-        gc.callbacks.remove(track)
 
 
 def _free(step, pool):

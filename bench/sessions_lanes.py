@@ -58,6 +58,8 @@ from cadence_fx.models.token2wav import (FlowStep, HiFTStep, build_flow, build_h
 from cadence_fx.scheduler import Scheduler, _pct
 from cadence_fx.sessions import warm_lanes
 
+import common   # bench/common.py, beside this script
+
 DEVICE = "cuda"
 WARM_CHUNKS = 3   # a conversation's flow classes: 302, 352, then 402 retained frames
 
@@ -216,33 +218,6 @@ class _null:
 
     def __exit__(self, *exc):
         return False
-
-
-class _GcPauses:
-    """The collector's pauses while a row runs (``gc.callbacks``): each one held the loop."""
-
-    def __init__(self):
-        self.pauses, self._start = [], None
-
-    def __call__(self, phase, info):
-        if phase == "start":
-            self._start = time.perf_counter()
-        elif self._start is not None:
-            self.pauses.append(((time.perf_counter() - self._start) * 1e3, info["generation"]))
-            self._start = None
-
-    def __enter__(self):
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        gc.callbacks.remove(self)
-        return False
-
-    def report(self) -> dict:
-        ms = [p for p, _ in self.pauses]
-        return {"gc_collections": len(ms), "gc_full_collections": sum(g == 2 for _, g in self.pauses),
-                "gc_ms_total": sum(ms), "gc_ms_max": max(ms, default=0.0)}
 
 
 def _concurrency(served, lanes, trials=5):
@@ -423,7 +398,7 @@ def _timeline(marks, budget_ms) -> list:
 def _row(flow, hift, served, lanes, n, args):
     torch.cuda.reset_peak_memory_stats() if DEVICE == "cuda" else None
     t0 = time.perf_counter()
-    with _GcPauses() as pauses:
+    with common.GcPauses() as pauses:
         report, records, results = asyncio.run(_churn(served, n, args.seconds, args.gap_ms,
                                                       args.budget_ms, args.period_ms / 1e3, n,
                                                       args.threads, args.arrivals))
@@ -506,7 +481,6 @@ def _kernel_fraction(fn):
     if not spans:
         out["busy_why"] = "the profiler recorded no device intervals"
         return out
-    import common   # bench/ is on the path (main)
     out["busy"] = common.busy_us(spans) / wall_us
     return out
 
@@ -522,11 +496,7 @@ def _kernels(fn):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         _sync()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    return {"kernel_ms": sum(e.self_device_time_total for e in events) / 1e3,
-            "launches": sum(e.count for e in events),
-            "top": [(e.key[:60], round(e.self_device_time_total / 1e3, 2), e.count) for e in
-                    sorted(events, key=lambda e: -e.self_device_time_total)[:8]]}
+    return common.kernel_summary(prof)
 
 
 def _stock_rows(flow, hift, ns, rounds, budget_ms):
