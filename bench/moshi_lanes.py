@@ -133,7 +133,8 @@ def _ticks(pool, fresh, inputs, profile=False):
     start = time.perf_counter()
     sids = [pool.open(fresh, seed=1 + lane, lane=lane) for lane in range(len(inputs))]
     _sync()   # the fresh state is copied into every lane's carries before the first tick
-    outs, ticks, queued = [[] for _ in inputs], [], [(time.perf_counter() - start) * 1e3]
+    open_ms = (time.perf_counter() - start) * 1e3
+    outs, ticks, queued = [[] for _ in inputs], [], []
     with torch.no_grad():
         for i in range(len(inputs[0])):
             start = time.perf_counter()
@@ -147,7 +148,7 @@ def _ticks(pool, fresh, inputs, profile=False):
             else None
     for sid in sids:
         pool.close(sid)
-    return ticks, queued[1:], outs, kernels, queued[0]
+    return ticks, queued, outs, kernels, open_ms
 
 
 def _tick_kernels(pool, sids, frames):
