@@ -2,7 +2,11 @@
 malformed; the engine (the replica's seam to its SessionPools) keeps interleaved sessions exact
 against each one run alone on the stock step, across a turn reset, a partial flush and a longer
 last call; a second engine on the same compile cache traces nothing."""
+import asyncio
+import json
 import os
+import struct
+import threading
 
 import pytest
 import torch
@@ -31,6 +35,73 @@ def test_messages_keep_tensors_exact_and_errors_name_the_fix():
         decode(b"\x00\x00\x01\x00{}")
     with pytest.raises(SessionLost, match="prime"):
         raise_for(decode(error("session_lost", "open a new session and prime it again", "r:1"))[0])
+
+
+def test_every_dtype_travels_as_its_exact_bytes_and_a_bad_listing_names_the_fix():
+    nan = torch.tensor([float("nan")]).view(torch.int32).add_(7).view(torch.float32)  # payload
+    x = {"f": torch.randn(4, 6).t(), "h": torch.randn(3, dtype=torch.bfloat16),
+         "n": nan, "b": torch.tensor([True, False]), "s": torch.tensor(2.5),
+         "e": torch.empty(0, 3, dtype=torch.int16), "i": torch.arange(5, dtype=torch.uint8)}
+    header, out = decode(encode({"op": "out"}, x))
+    assert header == {"op": "out"} and list(out) == list(x)
+    for k in x:   # bit for bit: the NaN's payload too
+        assert out[k].dtype == x[k].dtype and out[k].shape == x[k].shape
+        assert out[k].is_contiguous()
+        a, b = out[k].contiguous(), x[k].contiguous()
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    message = encode({"op": "chunk"}, {"a": torch.ones(2, 3)})
+    with pytest.raises(ValueError, match="past the tensors"):
+        decode(message + b"\0")
+    with pytest.raises(ValueError, match="needs 24 bytes"):
+        decode(message[:-1])
+    for entry, match in ((["a", "float8", [2]], "dtype 'float8'"),
+                         (["a", "float32", [-1]], "shape a list of sizes"),
+                         ("a", "not \\[name, dtype, shape\\]")):
+        head = json.dumps({"op": "chunk", "tensors": [entry]}).encode()
+        with pytest.raises(ValueError, match=match):
+            decode(struct.pack(">I", len(head)) + head)
+    with pytest.raises(ValueError, match="does not carry"):
+        encode({"op": "chunk"}, {"q": torch.zeros(2, dtype=torch.float8_e4m3fn)})
+
+
+def test_connections_run_without_per_message_compression():
+    """Clients offer no deflate and the direct server accepts none, even from a client that
+    offers it: float audio barely compresses and deflating it costs milliseconds a reply."""
+    from websockets.sync.client import connect
+    from websockets.sync.server import serve
+    from cadence_fx.serve.client import _connect
+    from cadence_fx.serve.direct import DirectServer
+
+    async def echo(message):
+        return message
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = DirectServer("127.0.0.1", echo)
+    url = asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
+    try:
+        ours = _connect(url, 30)
+        with connect(url, ping_interval=None) as theirs:   # websockets offers deflate by default
+            for ws in (ours, theirs):
+                ws.send(b"x" * 1000)
+                assert ws.recv(timeout=30) == b"x" * 1000
+                assert ws.protocol.extensions == []
+        ours.close()
+        with serve(lambda c: c.send(c.recv()), "127.0.0.1", 0) as plain:   # accepts deflate
+            threading.Thread(target=plain.serve_forever, daemon=True).start()
+            ours = _connect(f"ws://127.0.0.1:{plain.socket.getsockname()[1]}", 30)
+            ours.send(b"y")
+            assert ours.recv(timeout=30) == b"y" and ours.protocol.extensions == []
+            ours.close()
+            plain.shutdown()
+    finally:
+        async def stop():
+            server.close()
+            await server._server.wait_closed()
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
 
 
 @pytest.fixture(scope="module")

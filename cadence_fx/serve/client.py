@@ -33,11 +33,8 @@ class StreamClient:
     """One WebSocket connection; any number of sessions over it, one request at a time."""
 
     def __init__(self, url: str = "ws://127.0.0.1:8000/v1/stream", timeout: float = 120.0):
-        from websockets.sync.client import connect
         self.url, self.timeout = url, timeout
-        # entered at once: the connection lives as long as the client (``close``)
-        self._ws = connect(url, max_size=None, open_timeout=timeout, close_timeout=5,
-                           ping_interval=None).__enter__()
+        self._ws = _connect(url, timeout)
 
     def request(self, header: dict, tensors: Optional[Tensors] = None) -> Tuple[dict, Tensors]:
         """Send one request and return the reply; an error reply raises."""
@@ -64,6 +61,15 @@ class StreamClient:
         self.close()
 
 
+def _connect(url: str, timeout: float):
+    """A connection for the life of its owner (``close``). No per-message compression: a
+    Token2Wav reply is float audio, which deflate barely shrinks, and deflating it took 7 ms a
+    reply on a 2-core host (0.3 ms without), holding both ends' CPU (docs/serving.md)."""
+    from websockets.sync.client import connect
+    return connect(url, max_size=None, open_timeout=timeout, close_timeout=5,
+                   ping_interval=None, compression=None).__enter__()
+
+
 def _request(ws, header: dict, tensors: Optional[Tensors], timeout: float
              ) -> Tuple[dict, Tensors]:
     ws.send(encode(header, tensors))
@@ -85,10 +91,8 @@ class Session:
         self._ws = None
         if self.direct is not None:
             from websockets.exceptions import WebSocketException
-            from websockets.sync.client import connect
             try:
-                self._ws = connect(self.direct, max_size=None, open_timeout=client.timeout,
-                                   close_timeout=5, ping_interval=None).__enter__()
+                self._ws = _connect(self.direct, client.timeout)
             except (OSError, TimeoutError, WebSocketException) as e:   # unreachable: end it
                 client.request({"op": "close", "session": self.token})
                 raise ServeError("failed", f"the replica of session {self.token} serves direct "
