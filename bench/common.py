@@ -16,14 +16,14 @@ and imports this module as ``common``; nothing here imports from ``tests/``.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
-import time
 from typing import Callable, Sequence, Tuple, TypeVar
 
 import torch
+
+from cadence_fx.serve.host import GcPauses   # the collector's pauses, as the replicas keep them
 
 __all__ = ["DEADLINE_MS", "p95", "median", "cuda_timed", "run_info", "write_result", "parser",
            "busy_us", "kernel_summary", "GcPauses"]
@@ -99,30 +99,3 @@ def kernel_summary(prof, top: int = 8, width: int = 60) -> dict:
             "top": [(e.key[:width], round(e.self_device_time_total / 1e3, 2), e.count) for e in
                     sorted(events, key=lambda e: -e.self_device_time_total)[:top]]}
 
-
-class GcPauses:
-    """The collector's pauses while the block runs (``gc.callbacks``): each one held the
-    thread that triggered it, and every other waiting for the GIL."""
-
-    def __init__(self):
-        self.pauses, self._start = [], None
-
-    def __call__(self, phase, info):
-        if phase == "start":
-            self._start = time.perf_counter()
-        elif self._start is not None:
-            self.pauses.append(((time.perf_counter() - self._start) * 1e3, info["generation"]))
-            self._start = None
-
-    def __enter__(self):
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        gc.callbacks.remove(self)
-        return False
-
-    def report(self) -> dict:
-        ms = [p for p, _ in self.pauses]
-        return {"gc_collections": len(ms), "gc_full_collections": sum(g == 2 for _, g in self.pauses),
-                "gc_ms_total": sum(ms), "gc_ms_max": max(ms, default=0.0)}

@@ -23,6 +23,14 @@ through Ray equals (``torch.equal``, mel and PCM) the same session in-process. T
 ``added_p99_ms`` (Ray's p99 minus in-process p99 at the in-process real-time N) and, with
 ``--gpus 2``, ``scaling_ratio`` (real-time N on two replicas over one). The device has no Ray:
 ``bench/serve_device.sh`` installs it from carried wheels first.
+
+Where a chunk's transport goes, per row through Ray: ``wait_ms`` p50/p99 (the replies' own: from
+the replica's event loop taking the request to a worker thread starting it), the replica's
+collector pauses and event-loop lag over the row (``replica``: its stats, ``cadence_fx/serve/
+host.py``), how the replica started (``replica_warm``: traces, cache loads), and this process's
+own lateness (``client_lag_ms``: a thread waking every millisecond; the clients' threads decode
+every reply here). The in-process path freezes start-up's objects as the replicas do
+(``--no-gc-freeze`` leaves them, in both) and records its collector's pauses per row.
 """
 from __future__ import annotations
 
@@ -34,19 +42,71 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import torch
 
 from cadence_fx.serve.engine import PoolEngine
+from cadence_fx.serve.host import GcPauses, freeze_start_up, percentiles
 from cadence_fx.serve.models import build
 
 BUDGET_MS = 900.0
 
 
 def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return percentiles(xs, (q,))[0]
+
+
+class Lateness:
+    """This process's own lateness while the block runs: a thread sleeping 1 ms at a time and
+    recording how late it wakes (what held the GIL, here the clients' threads)."""
+
+    def __enter__(self):
+        self.samples, self._run = [], True
+
+        def beat():
+            while self._run:
+                t = time.perf_counter()
+                time.sleep(0.001)
+                self.samples.append((time.perf_counter() - t) * 1e3 - 1.0)
+
+        self._thread = threading.Thread(target=beat, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._run = False
+        self._thread.join()
+        return False
+
+    def report(self):
+        p50, p99 = percentiles(self.samples)
+        return {"p50": p50, "p99": p99, "max": max(self.samples, default=None)}
+
+
+def _replica_stats(by_replica):
+    """Each replica's stats (over one of its sessions): collector and event-loop figures."""
+    keys = ("gc_collections", "gc_full_collections", "gc_ms_total", "gc_ms_max",
+            "gc_frozen_objects", "loop_lag_ms_p50", "loop_lag_ms_p99", "loop_lag_ms_max",
+            "switch_interval_ms")
+    out = {}
+    for replica, members in by_replica.items():
+        stats = members[0][1].stats()
+        out[replica] = {k: stats.get(k) for k in keys}
+    return out
+
+
+def _row_delta(before, after):
+    """The replicas' collector figures over a row: counts and totals as differences (the
+    maximum and the loop's lag as they stand after it: since start, and the last 20 s)."""
+    out = {}
+    for replica, a in after.items():
+        b = before.get(replica, {})
+        out[replica] = dict(a, **{k: a[k] - b.get(k, 0) for k in
+                                  ("gc_collections", "gc_full_collections", "gc_ms_total")
+                                  if a.get(k) is not None})
+    return out
 
 
 def summary(chunk_ms, round_ms, n):
@@ -90,10 +150,13 @@ def inprocess(engine, model, n, rounds, clients="lane"):
         s, sid = member
         outs[s].append(engine.chunk(sid, model.example(1000 + s, r), last=r == rounds - 1)[0])
 
-    chunk_ms, round_ms = rounds_of([g for g in groups if g], rounds, chunk)
+    with GcPauses() as pauses:
+        chunk_ms, round_ms = rounds_of([g for g in groups if g], rounds, chunk)
     for sid in ids:
         engine.close(sid)
-    return summary(chunk_ms, round_ms, n), outs
+    row = summary(chunk_ms, round_ms, n)
+    row["gc"] = {k: v for k, v in pauses.report().items() if k != "gc_frozen_objects"}
+    return row, outs
 
 
 def through_ray(url, model, n, rounds, lanes, clients="lane", direct=False):
@@ -118,7 +181,7 @@ def through_ray(url, model, n, rounds, lanes, clients="lane", direct=False):
         groups = [members[i::lanes] for members in by_replica.values() for i in range(lanes)]
     outs = [[] for _ in range(n)]
 
-    transport_ms = []
+    transport_ms, wait_ms = [], []
 
     def chunk(member, r):
         s, sess = member
@@ -126,15 +189,24 @@ def through_ray(url, model, n, rounds, lanes, clients="lane", direct=False):
         start = time.perf_counter()
         outs[s].append(sess.chunk(last=r == rounds - 1, **inputs))
         transport_ms.append((time.perf_counter() - start) * 1e3 - sess.last_reply["ms"])
+        if "wait_ms" in sess.last_reply:
+            wait_ms.append(sess.last_reply["wait_ms"])
 
-    chunk_ms, round_ms = rounds_of([g for g in groups if g], rounds, chunk)
+    before = _replica_stats(by_replica)
+    with Lateness() as client:
+        chunk_ms, round_ms = rounds_of([g for g in groups if g], rounds, chunk)
+    after = _replica_stats(by_replica)
     for sess in sessions:
         sess.close()
         sess.client.close()
     row = summary(chunk_ms, round_ms, n)
     row["transport_ms_p50"] = statistics.median(transport_ms)
     row["transport_ms_p99"] = pct(transport_ms, 0.99)
+    row["wait_ms_p50"], row["wait_ms_p99"] = percentiles(wait_ms)
     row["ping_ms_p50"] = statistics.median(ping_ms[5:])
+    row["client_lag_ms"] = client.report()
+    row["replica"] = _row_delta(before, after)
+    row["replica_warm"] = {sess.replica: sess.warm for sess in sessions}
     return row, outs
 
 
@@ -143,7 +215,8 @@ def exact(a, b):
                for sa, sb in zip(a, b) for x, y in zip(sa, sb))
 
 
-def start_ray(name, gpus, cache_dir, port, lanes, direct=False, switch_interval_ms=None):
+def start_ray(name, gpus, cache_dir, port, lanes, direct=False, switch_interval_ms=None,
+              gc_freeze=True):
     import ray
     from ray import serve
     from cadence_fx.serve import build_app
@@ -153,7 +226,7 @@ def start_ray(name, gpus, cache_dir, port, lanes, direct=False, switch_interval_
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(name, max(gpus, 1), cache_dir=cache_dir, num_gpus=1 if gpus else 0,
                         lanes=lanes, direct_host="127.0.0.1" if direct else None,
-                        switch_interval_ms=switch_interval_ms),
+                        switch_interval_ms=switch_interval_ms, gc_freeze=gc_freeze),
               name="bench", route_prefix="/")
     return f"ws://127.0.0.1:{port}/v1/stream"
 
@@ -184,17 +257,22 @@ def main():
     ap.add_argument("--direct", action="store_true",
                     help="also measure each row over direct connections to the replicas "
                          "(rows' ray_direct; docs/serving.md, Direct connections)")
+    ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                    help="leave start-up's objects to the collector in this process and in the "
+                         "replicas (default: frozen once warm, as a replica does)")
     args = ap.parse_args()
     if args.switch_interval_ms is not None:   # the in-process path as the replicas
-        from cadence_fx.serve.replica import process_settings
+        from cadence_fx.serve.host import process_settings
         process_settings(None, args.switch_interval_ms)
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="cfx-serve-")
     model = build(args.model, args.device, cache_dir)
     engine = PoolEngine(model, lanes=args.lanes)
     warm = engine.warm()          # fills the cache the replicas start from
+    if args.gc_freeze:            # as each replica does once warm
+        warm["gc_frozen_objects"] = freeze_start_up()
     ns = [int(n) for n in args.ns.split(",")]
     url = start_ray(args.model, args.gpus if args.device == "cuda" else 0, cache_dir, args.port,
-                    args.lanes, args.direct, args.switch_interval_ms)
+                    args.lanes, args.direct, args.switch_interval_ms, args.gc_freeze)
     rows = []
     for n in ns:   # the result is written after every row: a run cut short keeps what it measured
         before = engine.counters()
@@ -221,7 +299,7 @@ def result_of(rows, args, warm):
     at = next((r for r in rows if r["sessions"] == best_local), rows[0])
     return {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
             "commit": os.environ.get("CADENCE_COMMIT", "unknown"), "gpus": args.gpus,
-            "lanes": args.lanes, "clients": args.clients,
+            "lanes": args.lanes, "clients": args.clients, "gc_freeze": args.gc_freeze,
             "switch_interval_ms": sys.getswitchinterval() * 1e3,
             "rounds": args.rounds, "budget_ms": BUDGET_MS, "warm": warm, "rows": rows,
             "inprocess_realtime_sessions": best_local, "ray_realtime_sessions": best_ray,

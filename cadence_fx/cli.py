@@ -339,6 +339,9 @@ def _serve_parser(sub) -> None:
     s.add_argument("--switch-interval-ms", type=float, default=None,
                    help="each replica's sys.setswitchinterval: how soon a worker thread hands "
                         "the GIL to the replica's network loop (default: Python's 5 ms)")
+    s.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                   help="leave the objects a replica's start made to the garbage collector "
+                        "(default: frozen once warm, so collections skip them; docs/serving.md)")
     s.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds Ctrl-C waits for live sessions to end their turn")
     s.set_defaults(run=_serve)

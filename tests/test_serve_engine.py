@@ -230,7 +230,7 @@ def test_a_replicas_switch_interval_is_set_for_its_process_and_checked():
     import sys
     pytest.importorskip("ray.serve")
     from cadence_fx.serve import build_app
-    from cadence_fx.serve.replica import process_settings
+    from cadence_fx.serve.host import process_settings
     before = sys.getswitchinterval()
     try:
         process_settings(None, 0.5)

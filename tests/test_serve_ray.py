@@ -121,6 +121,7 @@ def play(session, ref, xs, chunks):
             ref.reset()
         out = session.chunk(last=i in LAST, **xs[i])
         assert session.last_reply["replica"] == session.replica
+        assert session.last_reply["wait_ms"] >= 0   # from the replica's loop to its worker
         assert torch.equal(out["y"], ref.chunk(xs[i], last=i in LAST)["y"]), (session.token, i)
 
 
@@ -155,7 +156,11 @@ def test_direct_sessions_are_exact_and_their_connections_serve_them_only(cluster
             b.request({"op": "reset", "session": a.token})
         with pytest.raises(ServeError, match="open sessions through the gateway"):
             b.request({"op": "open", "seed": 1})
-        assert a.stats()["replica"] == a.replica   # its own replica's, over its connection
+        stats = a.stats()
+        assert stats["replica"] == a.replica   # its own replica's, over its connection
+        # its start-up frozen out of later collections; collections and the loop's lag sampled
+        assert stats["gc_frozen_objects"] > 10_000 and stats["gc_collections"] >= 0
+        assert stats["loop_lag_ms_p50"] is not None and stats["loop_lag_ms_max"] >= 0
         for s in sessions:
             s.close()
         assert sessions[0]._ws is None

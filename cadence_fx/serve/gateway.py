@@ -158,7 +158,8 @@ def build_app(model: str = "toy", replicas: int = 1, *, cache_dir=None, num_gpus
               num_cpus: float = 1.0, device: str = "auto", full: Optional[bool] = None,
               threads: Optional[int] = None, deadline_ms: Optional[float] = None,
               lanes: int = 1, max_ongoing_requests: int = 64,
-              direct_host: Optional[str] = None, switch_interval_ms: Optional[float] = None):
+              direct_host: Optional[str] = None, switch_interval_ms: Optional[float] = None,
+              gc_freeze: bool = True):
     """The Serve application: the gateway and ``replicas`` replicas of ``model``, each with
     ``num_gpus`` GPUs (default: 1 where this machine has CUDA, else 0; fractional in tests),
     ``num_cpus`` CPUs and ``lanes`` lanes, all compiling into the shared ``cache_dir``.
@@ -168,7 +169,9 @@ def build_app(model: str = "toy", replicas: int = 1, *, cache_dir=None, num_gpus
     replica also serves its sessions' later requests on a WebSocket of its own, bound to that
     host (``direct.py``; ``"0.0.0.0"`` advertises the node's address), for the sessions opened
     with ``"direct": true``. ``switch_interval_ms``: each replica's ``sys.setswitchinterval``
-    (``replica.process_settings``). ``serve.run`` it; drain it with ``POST /v1/drain``."""
+    (``host.process_settings``). ``gc_freeze``: each replica freezes the objects its start made
+    once warm, out of every later collection (``host.freeze_start_up``). ``serve.run`` it;
+    drain it with ``POST /v1/drain``."""
     if replicas < 1:
         raise ValueError(f"replicas={replicas}: serve at least one replica")
     if lanes < 1 or max_ongoing_requests < 1:
@@ -186,5 +189,6 @@ def build_app(model: str = "toy", replicas: int = 1, *, cache_dir=None, num_gpus
         request_router_config=RequestRouterConfig(request_router_class=SessionRouter))
     return Gateway.bind(replica.bind(model, None if cache_dir is None else str(cache_dir),
                                      device, full, threads, deadline_ms, lanes,
-                                     max_ongoing_requests, direct_host, switch_interval_ms),
+                                     max_ongoing_requests, direct_host, switch_interval_ms,
+                                     gc_freeze),
                         model)

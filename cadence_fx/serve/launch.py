@@ -64,7 +64,8 @@ def serve_locally(args) -> int:
     kw = dict(cache_dir=str(args.cache_dir or default_dir()), num_gpus=args.gpus,
               num_cpus=args.cpus, full=args.full, lanes=args.lanes,
               direct_host=args.host if getattr(args, "direct", False) else None,
-              switch_interval_ms=getattr(args, "switch_interval_ms", None))
+              switch_interval_ms=getattr(args, "switch_interval_ms", None),
+              gc_freeze=getattr(args, "gc_freeze", True))
     serve.run(build_app(args.model, args.replicas, **kw), name="cadence_fx", route_prefix="/")
     url = f"http://{args.host}:{args.port}"
     direct = (f"; sessions opened with direct=True send their chunks to their replica's own "

@@ -28,6 +28,7 @@ import concurrent.futures
 import logging
 import sys
 import threading
+import time
 from typing import Optional
 
 import ray
@@ -36,11 +37,12 @@ from ray import serve
 
 from .direct import DirectServer
 from .engine import PoolEngine
+from .host import GcPauses, LoopLag, freeze_start_up, process_settings
 from .models import build
 from .protocol import OPS, decode, encode, error
 from .router import replica_of
 
-__all__ = ["SessionReplica"]
+__all__ = ["SessionReplica", "process_settings"]
 
 log = logging.getLogger(__name__)
 _LATENCY_MS = [5, 10, 20, 40, 80, 160, 320, 640, 1000, 2000, 5000]
@@ -67,26 +69,12 @@ class _Metrics:
             m.set_default_tags({"model": model, "replica": replica})
 
 
-def process_settings(threads: Optional[int], switch_interval_ms: Optional[float]) -> None:
-    """What the replica sets for its whole process: torch's CPU threads, and how long a thread
-    holding the GIL keeps it while another asks (``sys.setswitchinterval``; Python's default is
-    5 ms). The replica's worker threads run each chunk's Python, and its event loop needs the
-    GIL for every message it receives or sends: a shorter interval hands it over sooner, at the
-    price of more switching (docs/serving.md says what is measured)."""
-    if switch_interval_ms is not None:
-        if not switch_interval_ms > 0:
-            raise ValueError(f"switch_interval_ms={switch_interval_ms!r}: give a positive number "
-                             "of milliseconds (Python's default is 5), or None to leave it")
-        sys.setswitchinterval(switch_interval_ms / 1e3)
-    if threads:
-        torch.set_num_threads(threads)
-
-
 class SessionReplica:
     def __init__(self, model: str, cache_dir: Optional[str] = None, device: str = "auto",
                  full: Optional[bool] = None, threads: Optional[int] = None,
                  deadline_ms: Optional[float] = None, lanes: int = 1, workers: int = 64,
-                 direct_host: Optional[str] = None, switch_interval_ms: Optional[float] = None):
+                 direct_host: Optional[str] = None, switch_interval_ms: Optional[float] = None,
+                 gc_freeze: bool = True):
         process_settings(threads, switch_interval_ms)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -95,6 +83,12 @@ class SessionReplica:
         self.model = build(model, device, cache_dir, full)
         self.engine = PoolEngine(self.model, lanes=lanes)   # the one seam to the sessions
         self.warm = self.engine.warm()
+        # start-up's objects out of every later collection (host.py says why), then every
+        # collection's pause and the event loop's lateness in the stats
+        if gc_freeze:
+            freeze_start_up()
+        self.gc = GcPauses().install()
+        self.loop_lag = LoopLag()
         self.deadline_ms = deadline_ms or self.model.deadline_ms
         self.draining, self.failed = False, None
         self.tally = {"chunks": 0, "deadline_misses": 0, "fallbacks": 0, "lost": 0}
@@ -110,6 +104,7 @@ class SessionReplica:
                  self.warm)
 
     async def check_health(self) -> None:
+        self.loop_lag.start()
         if self.direct is not None:
             await self.direct.start()
         if self.failed:
@@ -130,17 +125,26 @@ class SessionReplica:
 
     async def handle(self, token: Optional[str], message: bytes, avoid=()) -> bytes:
         """One request (``avoid``: replicas the router skips for an open; not read here)."""
+        arrived = time.perf_counter()
+        self.loop_lag.start()
         if self.direct is not None:
             await self.direct.start()   # before an open may hand out its address
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._workers, self._handle, token, message)
+        return await loop.run_in_executor(self._workers, self._handle, token, message, False,
+                                          arrived)
 
     async def _direct(self, message: bytes) -> bytes:
         """A request on a session's direct connection (its token in its header)."""
+        arrived = time.perf_counter()
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._workers, self._handle, None, message, True)
+        return await loop.run_in_executor(self._workers, self._handle, None, message, True,
+                                          arrived)
 
-    def _handle(self, token: Optional[str], message: bytes, direct: bool = False) -> bytes:
+    def _handle(self, token: Optional[str], message: bytes, direct: bool = False,
+                arrived: Optional[float] = None) -> bytes:
+        """One request in a worker thread; ``arrived``: when the event loop took it (a chunk's
+        reply says how long it waited for this thread: ``wait_ms``)."""
+        wait_ms = None if arrived is None else (time.perf_counter() - arrived) * 1e3
         try:
             header, tensors = decode(message)
         except ValueError as e:
@@ -165,6 +169,8 @@ class SessionReplica:
         if isinstance(sid, bytes):
             return sid
         try:
+            if op == "chunk":
+                return self._chunk(token, sid, header, tensors, wait_ms)
             return getattr(self, "_" + op)(token, sid, header, tensors)
         except (ValueError, TypeError, KeyError) as e:   # the request, not the replica
             return error("bad_request", str(e), token)
@@ -180,7 +186,8 @@ class SessionReplica:
                 "drained": self.draining and not self.engine.live, "lanes": self.engine.lanes,
                 "deadline_ms": self.deadline_ms, "warm": self.warm,
                 "switch_interval_ms": sys.getswitchinterval() * 1e3,
-                "counters": self.engine.counters(), **self.tally}
+                "counters": self.engine.counters(), **self.tally, **self.gc.report(),
+                **self.loop_lag.report()}
 
     # -- the operations ---------------------------------------------------------------------
     def _open(self, header, tensors) -> bytes:
@@ -206,12 +213,14 @@ class SessionReplica:
             reply["direct"] = self.direct.url
         return encode(reply)
 
-    def _chunk(self, token, sid, header, tensors) -> bytes:
+    def _chunk(self, token, sid, header, tensors, wait_ms=None) -> bytes:
         last = bool(header.get("last", False))
         outputs, record = self.engine.chunk(sid, tensors, last)
         self._count(record)
         reply = {"op": "out", "session": token, "replica": self.tag, "ms": round(record.ms, 3),
                  "fallbacks": record.fallbacks}
+        if wait_ms is not None:   # from the event loop to this worker thread
+            reply["wait_ms"] = round(wait_ms, 3)
         if last and self.draining:   # the turn ended: the session ends with it
             self.engine.close(sid)
             self.metrics.live.set(self.engine.live)
