@@ -21,7 +21,8 @@ warm-up) with each one's kernel time and launches (``*priming_kernels``: the com
 device graph, nothing eager, so its p50 over its kernel time says what is left to gain), the fraction of wall time the GPU spends in kernels (profiler) for stock and for the
 best row (``summed``: kernel time over wall, above ``busy`` when lanes overlap; ``busy``: the union
 of the kernels' intervals; the best row's is its traffic again, ``--fraction-s``, measured after
-the rows whatever ``--budget-s`` says), and peak memory (``torch.cuda.max_memory_allocated``) with memory per lane and session.
+the rows whatever ``--budget-s`` says, over ``--fraction-window`` of it; ``--fraction-at L,N``
+names the traffic instead, so ``--ns=`` measures the fraction alone), and peak memory (``torch.cuda.max_memory_allocated``) with memory per lane and session.
 Moshi batches per lane are measured by ``bench/moshi_lanes.py`` (``moshi_conversations_per_gpu`` is
 null here).
 Rows stop once ``--budget-s`` is spent (recorded under ``skipped``).
@@ -309,13 +310,14 @@ def _totals(served) -> dict:
 
 
 async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed, threads=False,
-                 arrivals="poisson"):
+                 arrivals="poisson", window=None):
     """One row's traffic. Returns the scheduler's report (with the loop's lag, each lane's busy
     fraction and the per-second timeline added), its records and each conversation's outputs on
     the host. ``arrivals``: ``poisson``, the N slots' first conversations arrive as a Poisson
     process of mean gap ``gap_ms`` (N x gap_ms on average for all of them); ``burst``, each slot
     waits its own exponential gap of that mean, so half of them arrive within 0.7 x ``gap_ms``
-    and all of them within a few gaps (the rows before this option)."""
+    and all of them within a few gaps (the rows before this option). ``window``: a coroutine
+    function run beside the traffic from its start (``_kernel_fraction_window``'s profiler)."""
     sched = Scheduler(served.fpool, period_ms=budget_ms, run=served.run,
                       done=lambda fid: served.hpool.done(served.ids[fid][0]),
                       pools=(served.fpool, served.hpool), threads=threads)
@@ -364,7 +366,7 @@ async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed, threads=
 
     beat = asyncio.ensure_future(heartbeat())
     t0 = time.perf_counter()
-    await asyncio.gather(*(slot(first) for first in firsts))
+    await asyncio.gather(*(slot(first) for first in firsts), *([window()] if window else []))
     await sched.stop()
     wall = time.perf_counter() - t0
     running[0] = False
@@ -460,7 +462,6 @@ def _kernel_fraction(fn):
     intervals). Copies and fills (``Memcpy``, ``Memset``) and annotations are not kernels."""
     if DEVICE != "cuda":
         return None
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _sync()
@@ -468,6 +469,42 @@ def _kernel_fraction(fn):
         fn()
         _sync()
         wall_us = (time.perf_counter() - t) * 1e6
+    return _fraction_of(prof, wall_us)
+
+
+def _kernel_fraction_window(run, delay_s, length_s):
+    """The kernel-time fraction over a window of traffic: ``run(window)`` runs the traffic with
+    ``window`` beside it, which starts the profiler ``delay_s`` into it and stops it
+    ``length_s`` later. At full load 8 lanes put ~300,000 kernels a second on the device: a
+    profile of a whole row's traffic took longer to read than a device call lasts. The window's
+    wall is the host's, from the profiler's start to its stop; kernels running across either
+    edge count from the edge (or to it)."""
+    if DEVICE != "cuda":   # the CPU harness: the traffic and its window run, nothing recorded
+        async def idle():
+            await asyncio.sleep(delay_s + length_s)
+        run(idle)
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    prof, span = profile(activities=[ProfilerActivity.CUDA]), {}
+
+    async def window():
+        await asyncio.sleep(delay_s)
+        prof.start()
+        span["start"] = time.perf_counter()
+        await asyncio.sleep(length_s)
+        span["end"] = time.perf_counter()
+        prof.stop()
+
+    run(window)
+    t = time.perf_counter()
+    out = _fraction_of(prof, (span["end"] - span["start"]) * 1e6)
+    out.update(window_s=[delay_s, length_s], read_s=round(time.perf_counter() - t, 1))
+    return out
+
+
+def _fraction_of(prof, wall_us):
+    """Summed kernel time and the busy union over ``wall_us`` (``_kernel_fraction``)."""
+    from torch.autograd import DeviceType
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages() if _is_kernel(e.key))
     out = {"summed": kernel_us / wall_us, "busy": None, "wall_s": wall_us / 1e6}
     try:
@@ -534,16 +571,25 @@ def _lane_rows(result, served, flow, hift, lanes, args, start, save):
     best = max(good, key=lambda r: (r["sessions"], -r["lanes"]), default=None)
     result["cadence_realtime_sessions_churn"] = best["sessions"] if best else 0
     result["best"] = best and {"lanes": best["lanes"], "sessions": best["sessions"]}
-    if best is not None and args.fraction_s > 0:
-        # the best row's traffic again under the profiler (no references), its N conversations
-        # arriving in a burst, all within about a second, so most of the window is at full load
-        served.use = best["lanes"]
-        frac = _kernel_fraction(lambda: asyncio.run(_churn(
-            served, best["sessions"], args.fraction_s, args.gap_ms, args.budget_ms,
-            args.period_ms / 1e3, 99, args.threads, "burst")))
+    at = (best["lanes"], best["sessions"]) if best else None
+    if args.fraction_at:
+        at = tuple(int(x) for x in args.fraction_at.split(","))
+        if len(at) != 2 or not 1 <= at[0] <= len(served.fpool.lanes) or at[1] < 1:
+            raise SystemExit(f"--fraction-at {args.fraction_at}: give L,N with L among the "
+                             f"{len(served.fpool.lanes)} prepared lanes (--lanes) and N >= 1")
+    if at is not None and args.fraction_s > 0:
+        # that traffic again (no references), its N conversations arriving in a burst, all
+        # within about a second, profiled over --fraction-window of it, at full load
+        served.use = at[0]
+        delay_s, length_s = (float(x) for x in args.fraction_window.split(","))
+        frac = _kernel_fraction_window(lambda window: asyncio.run(_churn(
+            served, at[1], args.fraction_s, args.gap_ms, args.budget_ms, args.period_ms / 1e3,
+            99, args.threads, "burst", window)), delay_s, length_s)
         if frac is not None:
-            result["cadence_kernel_fraction"] = dict(frac, lanes=best["lanes"],
-                                                     sessions=best["sessions"], arrivals="burst")
+            result["cadence_kernel_fraction"] = dict(frac, lanes=at[0], sessions=at[1],
+                                                     arrivals="burst")
+            print(json.dumps({"cadence_kernel_fraction": result["cadence_kernel_fraction"]}),
+                  flush=True)
 
 
 def _compiled_priming(result, lane0, prime):
@@ -576,11 +622,17 @@ def _args():
     ap.add_argument("--period-ms", type=float, default=1000.0, help="audio per chunk")
     ap.add_argument("--budget-ms", type=float, default=900.0, help="a chunk's deadline")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop adding rows after this")
-    ap.add_argument("--fraction-s", type=float, default=1.0,
+    ap.add_argument("--fraction-s", type=float, default=2.0,
                     help="the best row's traffic again under the profiler, for the fraction of "
                          "wall time in kernels: conversations of this mean length in seconds, "
                          "slots open twice as long; after the rows whatever --budget-s says "
                          "(0: not measured)")
+    ap.add_argument("--fraction-window", default="1.0,0.5",
+                    help="DELAY,LENGTH: the profiler records LENGTH seconds of that traffic, "
+                         "from DELAY seconds into it (the burst's arrivals in by then)")
+    ap.add_argument("--fraction-at", default=None,
+                    help="L,N: measure the fraction at L lanes and N sessions instead of the "
+                         "best row's (with --ns= no row runs: no references, a short call)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--threads", action="store_true",
                     help="the scheduler queues each lane's chunks from a thread of its own")
