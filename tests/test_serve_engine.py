@@ -60,6 +60,9 @@ def test_every_dtype_travels_as_its_exact_bytes_and_a_bad_listing_names_the_fix(
         head = json.dumps({"op": "chunk", "tensors": [entry]}).encode()
         with pytest.raises(ValueError, match=match):
             decode(struct.pack(">I", len(head)) + head)
+    head = json.dumps({"op": "chunk", "tensors": [["a", "uint8", [1]], ["a", "uint8", [1]]]})
+    with pytest.raises(ValueError, match="twice"):
+        decode(struct.pack(">I", len(head)) + head.encode() + b"\1\2")
     with pytest.raises(ValueError, match="does not carry"):
         encode({"op": "chunk"}, {"q": torch.zeros(2, dtype=torch.float8_e4m3fn)})
 

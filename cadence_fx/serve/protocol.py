@@ -82,6 +82,8 @@ def decode(message: bytes) -> Tuple[dict, Dict[str, torch.Tensor]]:
     tensors, at = {}, 0
     for entry in names if isinstance(names, list) else [names]:
         name, dtype, shape = _entry(entry)
+        if name in tensors:
+            raise ValueError(f"the header lists tensor {name!r} twice; name each tensor once")
         numel = 1
         for d in shape:
             numel *= d
