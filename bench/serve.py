@@ -2,7 +2,7 @@
 
     python bench/serve.py --out bench/results/DATE-h200-serve.json [--ns 4,8,10,12,14]
         [--rounds 6] [--gpus 1|2] [--lanes L] [--clients session|lane] [--cache-dir DIR]
-        [--direct] [--switch-interval-ms MS]
+        [--direct] [--switch-interval-ms MS] [--repeats R] [--no-gc-freeze]
     python bench/serve.py --out /tmp/serve.json --model toy --device cpu --ns 2 --rounds 2   # harness
 
 Both paths serve N Token2Wav sessions (flow + HiFT, the real configuration on CUDA, every session
@@ -156,6 +156,7 @@ def inprocess(engine, model, n, rounds, clients="lane"):
         engine.close(sid)
     row = summary(chunk_ms, round_ms, n)
     row["gc"] = {k: v for k, v in pauses.report().items() if k != "gc_frozen_objects"}
+    row.update(_chunk_ms=chunk_ms, _round_ms=round_ms)
     return row, outs
 
 
@@ -207,7 +208,28 @@ def through_ray(url, model, n, rounds, lanes, clients="lane", direct=False):
     row["client_lag_ms"] = client.report()
     row["replica"] = _row_delta(before, after)
     row["replica_warm"] = {sess.replica: sess.warm for sess in sessions}
+    row.update(_chunk_ms=chunk_ms, _round_ms=round_ms, _transport_ms=transport_ms,
+               _wait_ms=wait_ms)
     return row, outs
+
+
+def pooled(reps):
+    """One path's row over its repeats: chunk, round, transport and wait figures over every
+    repeat's chunks (real-time only if every round of every repeat was), each repeat's p99, and
+    each repeat's own row (``repeats``); one repeat's row as it is."""
+    clean = [{k: v for k, v in r.items() if not k.startswith("_")} for r in reps]
+    if len(reps) == 1:
+        return clean[0]
+    every = lambda key: [x for r in reps for x in r.get(key, [])]   # noqa: E731
+    row = summary(every("_chunk_ms"), every("_round_ms"), reps[0]["sessions"])
+    row["chunk_p99_ms_each"] = [r["chunk_p99_ms"] for r in reps]
+    if "_transport_ms" in reps[0]:
+        row["transport_ms_p50"], row["transport_ms_p99"] = percentiles(every("_transport_ms"))
+        row["wait_ms_p50"], row["wait_ms_p99"] = percentiles(every("_wait_ms"))
+    if "counters" in reps[0]:
+        row["counters"] = {k: sum(r["counters"][k] for r in reps) for k in reps[0]["counters"]}
+    row["repeats"] = clean
+    return row
 
 
 def exact(a, b):
@@ -260,7 +282,12 @@ def main():
     ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                     help="leave start-up's objects to the collector in this process and in the "
                          "replicas (default: frozen once warm, as a replica does)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="each N's paths this many times in turn, pooled (the in-process p99's "
+                         "spread between repeats says what an added p99 can be told from)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats {args.repeats}: run each path at least once")
     if args.switch_interval_ms is not None:   # the in-process path as the replicas
         from cadence_fx.serve.host import process_settings
         process_settings(None, args.switch_interval_ms)
@@ -275,20 +302,23 @@ def main():
                     args.lanes, args.direct, args.switch_interval_ms, args.gc_freeze)
     rows = []
     for n in ns:   # the result is written after every row: a run cut short keeps what it measured
-        before = engine.counters()
-        local, local_outs = inprocess(engine, model, n, args.rounds, args.clients)
-        # what the in-process row ran: compiled calls and replays, and any fallback to stock
-        local["counters"] = {k: v - before[k] for k, v in engine.counters().items()}
-        remote, remote_outs = through_ray(url, model, n, args.rounds, args.lanes, args.clients)
-        rows.append({"sessions": n, "inprocess": local, "ray": remote, "gpus": args.gpus,
-                     "lanes": args.lanes,
-                     "all_bit_exact": exact(local_outs, remote_outs)})
-        if args.direct:
-            direct, direct_outs = through_ray(url, model, n, args.rounds, args.lanes,
-                                              args.clients, direct=True)
-            rows[-1]["ray_direct"] = direct
-            rows[-1]["all_bit_exact"] = rows[-1]["all_bit_exact"] and exact(local_outs,
-                                                                            direct_outs)
+        paths = {"inprocess": [], "ray": [], **({"ray_direct": []} if args.direct else {})}
+        all_exact = True
+        for _ in range(args.repeats):   # the paths in turn, so a drift in the host's load
+            before = engine.counters()  # falls on each of them
+            local, local_outs = inprocess(engine, model, n, args.rounds, args.clients)
+            # what the in-process row ran: compiled calls and replays, any fallback to stock
+            local["counters"] = {k: v - before[k] for k, v in engine.counters().items()}
+            paths["inprocess"].append(local)
+            for path in paths:
+                if path != "inprocess":
+                    remote, remote_outs = through_ray(url, model, n, args.rounds, args.lanes,
+                                                      args.clients, direct=path == "ray_direct")
+                    paths[path].append(remote)
+                    all_exact = all_exact and exact(local_outs, remote_outs)
+        rows.append({"sessions": n, **{path: pooled(reps) for path, reps in paths.items()},
+                     "gpus": args.gpus, "lanes": args.lanes, "repeats": args.repeats,
+                     "all_bit_exact": all_exact})
         print(json.dumps(rows[-1]), flush=True)
         with open(args.out, "w") as f:
             json.dump(result_of(rows, args, warm), f, indent=1)
@@ -301,10 +331,15 @@ def result_of(rows, args, warm):
             "commit": os.environ.get("CADENCE_COMMIT", "unknown"), "gpus": args.gpus,
             "lanes": args.lanes, "clients": args.clients, "gc_freeze": args.gc_freeze,
             "switch_interval_ms": sys.getswitchinterval() * 1e3,
-            "rounds": args.rounds, "budget_ms": BUDGET_MS, "warm": warm, "rows": rows,
+            "rounds": args.rounds, "repeats": args.repeats, "budget_ms": BUDGET_MS, "warm": warm, "rows": rows,
             "inprocess_realtime_sessions": best_local, "ray_realtime_sessions": best_ray,
             "ray_vs_inprocess_sessions": best_ray / best_local if best_local else None,
             "added_p99_ms": at["ray"]["chunk_p99_ms"] - at["inprocess"]["chunk_p99_ms"],
+            # how far the in-process p99 moved between its own repeats: what an added p99
+            # smaller than this cannot be told from (None with one repeat)
+            "inprocess_p99_spread_ms": (max(at["inprocess"]["chunk_p99_ms_each"])
+                                        - min(at["inprocess"]["chunk_p99_ms_each"])
+                                        if "chunk_p99_ms_each" in at["inprocess"] else None),
             "all_bit_exact": all(r["all_bit_exact"] for r in rows),
             **({"direct_vs_inprocess_sessions": largest(rows, "ray_direct") / best_local
                 if best_local else None,
