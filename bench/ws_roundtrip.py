@@ -71,7 +71,7 @@ def roundtrip(k, rounds, compression, decoded):
     with serve(echo, "127.0.0.1", 0, max_size=None, ping_interval=None, compression=ext) as srv:
         threading.Thread(target=srv.serve_forever, daemon=True).start()
         url = f"ws://127.0.0.1:{srv.socket.getsockname()[1]}"
-        conns = [connect(url, max_size=None, ping_interval=None, compression=ext)
+        conns = [connect(url, max_size=None, ping_interval=None, compression=ext).__enter__()
                  for _ in range(k)]
         assert all(bool(c.protocol.extensions) == compression for c in conns)
         ms = []
