@@ -100,3 +100,37 @@ def test_busy_time_counts_each_instant_of_overlapping_kernels_once():
     assert common.busy_us([(0, 10), (5, 12), (11, 13)]) == 13.0        # chained overlaps
     assert common.busy_us([(3, 4), (0, 10)]) == 10.0                   # one inside another
     assert common.busy_us([(0, 5), (5, 7)]) == 7.0                     # touching
+
+
+def test_serve_bench_pools_its_repeats_and_reads_the_in_process_spread():
+    """``bench/serve.py --repeats``: a path's repeats pooled (p99 over every chunk, real-time only
+    if every round of every repeat was, counters summed, each repeat kept without its raw lists),
+    one repeat kept as it is, and the in-process p99's spread between repeats at the read N."""
+    import serve as serve_bench
+
+    def rep(chunks, rounds, **extra):
+        row = serve_bench.summary(chunks, rounds, 2)
+        row.update(_chunk_ms=chunks, _round_ms=rounds, **extra)
+        return row
+
+    a = rep([10.0] * 99 + [100.0], [50.0, 60.0], counters={"calls": 4, "fallbacks": 0})
+    b = rep([20.0] * 99 + [300.0], [70.0, 950.0], counters={"calls": 4, "fallbacks": 1})
+    one = serve_bench.pooled([a])
+    assert one["chunk_p99_ms"] == 10.0 and not any(k.startswith("_") for k in one)
+    both = serve_bench.pooled([a, b])
+    assert both["chunk_p99_ms_each"] == [10.0, 20.0]
+    assert both["chunk_p99_ms"] == 20.0   # the 198th of 200 pooled chunks, by nearest rank
+    assert both["chunk_p50_ms"] == 20.0 and both["sessions"] == 2
+    assert both["realtime"] is False and both["round_max_ms"] == 950.0
+    assert both["counters"] == {"calls": 8, "fallbacks": 1}
+    assert [r["chunk_p50_ms"] for r in both["repeats"]] == [10.0, 20.0]
+    assert not any(k.startswith("_") for r in both["repeats"] for k in r)
+    t = rep([5.0] * 10, [40.0], _transport_ms=[1.0] * 9 + [9.0], _wait_ms=[0.5] * 10)
+    assert serve_bench.pooled([t, t])["transport_ms_p99"] == 9.0
+    ok = rep([10.0] * 99 + [100.0], [50.0, 60.0])
+    row = {"sessions": 2, "inprocess": serve_bench.pooled([ok, dict(ok, chunk_p99_ms=35.0)]),
+           "ray": serve_bench.pooled([ok, ok]), "all_bit_exact": True}
+    args = type("Args", (), dict(device="cpu", gpus=1, lanes=1, clients="session",
+                                 gc_freeze=True, rounds=2, repeats=2, direct=False))()
+    result = serve_bench.result_of([row], args, {})
+    assert result["inprocess_p99_spread_ms"] == 25.0 and result["ray_vs_inprocess_sessions"] == 1.0
