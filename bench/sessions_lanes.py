@@ -582,9 +582,12 @@ def _lane_rows(result, served, flow, hift, lanes, args, start, save):
         # within about a second, profiled over --fraction-window of it, at full load
         served.use = at[0]
         delay_s, length_s = (float(x) for x in args.fraction_window.split(","))
-        frac = _kernel_fraction_window(lambda window: asyncio.run(_churn(
-            served, at[1], args.fraction_s, args.gap_ms, args.budget_ms, args.period_ms / 1e3,
-            99, args.threads, "burst", window)), delay_s, length_s)
+        try:   # the rows are saved; a profiler that fails says so in the result, not as a crash
+            frac = _kernel_fraction_window(lambda window: asyncio.run(_churn(
+                served, at[1], args.fraction_s, args.gap_ms, args.budget_ms,
+                args.period_ms / 1e3, 99, args.threads, "burst", window)), delay_s, length_s)
+        except Exception as e:  # noqa: BLE001
+            frac = {"error": f"{type(e).__name__}: {e}"}
         if frac is not None:
             result["cadence_kernel_fraction"] = dict(frac, lanes=at[0], sessions=at[1],
                                                      arrivals="burst")
