@@ -64,7 +64,7 @@ class StreamClient:
 def _connect(url: str, timeout: float):
     """A connection for the life of its owner (``close``). No per-message compression: a
     Token2Wav reply is float audio, which deflate barely shrinks, and a deflated reply's round
-    trip took 7.4 ms on a 2-core host, 0.3 ms without, both ends' CPU (docs/serving.md)."""
+    trip took 7.6 ms on a 2-core host, 0.3 ms without, both ends' CPU (docs/serving.md)."""
     from websockets.sync.client import connect
     return connect(url, max_size=None, open_timeout=timeout, close_timeout=5,
                    ping_interval=None, compression=None).__enter__()
