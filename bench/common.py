@@ -98,4 +98,3 @@ def kernel_summary(prof, top: int = 8, width: int = 60) -> dict:
             "launches": sum(e.count for e in events),
             "top": [(e.key[:width], round(e.self_device_time_total / 1e3, 2), e.count) for e in
                     sorted(events, key=lambda e: -e.self_device_time_total)[:top]]}
-

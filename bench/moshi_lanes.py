@@ -65,6 +65,7 @@ import torch  # noqa: E402
 import cadence_fx  # noqa: E402
 import common  # noqa: E402 - bench/common.py, beside this script
 from cadence_fx.models import moshi as M  # noqa: E402
+from cadence_fx.serve.host import freeze_start_up, percentiles  # noqa: E402
 from cadence_fx.sessions import warm_lanes  # noqa: E402
 
 DEVICE = "cuda"
@@ -103,8 +104,7 @@ def _same(a, b):
 
 
 def _pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else None
+    return percentiles(xs, (q,))[0]
 
 
 def _warmed(step, batch, lanes, args):
@@ -176,8 +176,7 @@ def _row(mimi, lm_gen, batch, lanes, refs, inputs, args):
     try:
         pool, fresh, warm = _warmed(step, batch, lanes, args)
         if args.gc_freeze:   # what start-up made (graphs, traces, modules) is never collected again
-            gc.collect()
-            gc.freeze()
+            freeze_start_up()
         t1 = time.perf_counter()
         if DEVICE == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -195,7 +194,7 @@ def _row(mimi, lm_gen, batch, lanes, refs, inputs, args):
                 "realtime": _pct(ticks, 0.99) <= args.frame_ms, "bit_exact_frames": sum(exact),
                 "frames": frames, "all_bit_exact": sum(exact) == frames,
                 "compiles": pool.compiles, "warm": warm, "profiled_tick": kernels,
-                **pauses.report(), "gc_frozen_objects": gc.get_freeze_count(),
+                **pauses.report(),
                 "fallbacks": sum(lane.compiled.counters.fallbacks for lane in pool.lanes),
                 "fallback_reasons": [dict(lane.compiled.counters.reasons) for lane in pool.lanes],
                 "lane_bytes": mem["lane_bytes"],

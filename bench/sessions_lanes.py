@@ -56,7 +56,8 @@ import torch
 import cadence_fx
 from cadence_fx.models.token2wav import (FlowStep, HiFTStep, build_flow, build_hift,
                                          empty_hift_cache, prompt_call, stock_conversation)
-from cadence_fx.scheduler import Scheduler, _pct
+from cadence_fx.scheduler import Scheduler
+from cadence_fx.serve.host import LoopLag, freeze_start_up
 from cadence_fx.sessions import warm_lanes
 
 import common   # bench/common.py, beside this script
@@ -323,7 +324,8 @@ async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed, threads=
                       pools=(served.fpool, served.hpool), threads=threads)
     served.lane_io = threads   # a lane's thread may wait for its results; the loop may not
     g, results, next_speaker = random.Random(seed), [], [0]
-    lags, running, marks = [], [True], []   # marks: (submitted, op, latency ms) per request
+    marks = []   # (submitted, op, latency ms) per request
+    lag = LoopLag(period_ms=1.0, keep=None)   # how late the loop wakes: what held it
     if arrivals == "poisson":
         firsts = list(itertools.accumulate(g.expovariate(1000.0 / gap_ms) for _ in range(n)))
     elif arrivals == "burst":
@@ -336,12 +338,6 @@ async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed, threads=
         out = await sched.submit(fid, op, *args)
         marks.append((t - t0, op, (time.perf_counter() - t) * 1e3))
         return out
-
-    async def heartbeat():   # how late the loop wakes from a 1 ms sleep: what held it
-        while running[0]:
-            t = time.perf_counter()
-            await asyncio.sleep(0.001)
-            lags.append((time.perf_counter() - t) * 1e3 - 1.0)
 
     async def conversation():
         speaker = next_speaker[0]
@@ -364,21 +360,18 @@ async def _churn(served, n, seconds, gap_ms, budget_ms, period_s, seed, threads=
         while time.perf_counter() < end:
             await conversation()
 
-    beat = asyncio.ensure_future(heartbeat())
+    lag.start()
     t0 = time.perf_counter()
     await asyncio.gather(*(slot(first) for first in firsts), *([window()] if window else []))
     await sched.stop()
     wall = time.perf_counter() - t0
-    running[0] = False
-    await beat
+    await lag.stop()
     served.lane_io = False
     report = sched.report()
-    lags.sort()
     busy = collections.defaultdict(float)
     for r in sched.records:
         busy[r.lane] += r.completed - r.dispatched
-    report.update(lane_io=threads, loop_lag_ms_p50=_pct(lags, 0.5), loop_lag_ms_p99=_pct(lags, 0.99),
-                  loop_lag_ms_max=lags[-1] if lags else None, arrivals=arrivals,
+    report.update(lane_io=threads, **lag.report(), arrivals=arrivals,
                   lane_busy_fraction={k: round(v / wall, 3) for k, v in sorted(busy.items())},
                   timeline=_timeline(marks, budget_ms))
     return report, sched.records, results
@@ -477,8 +470,8 @@ def _kernel_fraction_window(run, delay_s, length_s):
     ``window`` beside it, which starts the profiler ``delay_s`` into it and stops it
     ``length_s`` later. At full load 8 lanes put ~300,000 kernels a second on the device: a
     profile of a whole row's traffic took longer to read than a device call lasts. The window's
-    wall is the host's, from the profiler's start to its stop; kernels running across either
-    edge count from the edge (or to it)."""
+    wall is the host's, from the profiler's start to its stop; a kernel running across either
+    edge counts whole or not at all (kernels last well under a millisecond, the window 0.5 s)."""
     if DEVICE != "cuda":   # the CPU harness: the traffic and its window run, nothing recorded
         async def idle():
             await asyncio.sleep(delay_s + length_s)
@@ -717,8 +710,7 @@ def main():
         result["host_profile"] = [_host_profile(served, k) for k in sorted({1, max(lanes)})]
         print(json.dumps({"host_profile": result["host_profile"]}), flush=True)
     if args.gc_freeze:   # what start-up made (graphs, traces, kernels) is never collected again
-        gc.collect()
-        gc.freeze()
+        freeze_start_up()
     result["gc_frozen_objects"] = gc.get_freeze_count()
     result["switch_interval_ms"] = sys.getswitchinterval() * 1e3
     save()

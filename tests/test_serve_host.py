@@ -61,6 +61,19 @@ def test_the_loop_lag_sees_a_blocked_loop():
 
     asyncio.run(run())
     report = lag.report()
+
+    stopped = LoopLag(period_ms=1.0, keep=None)
+
+    async def briefly():
+        stopped.start()
+        await asyncio.sleep(0.03)
+        await stopped.stop()
+        taken = len(stopped.samples)
+        await asyncio.sleep(0.03)
+        return taken
+
+    taken = asyncio.run(briefly())
+    assert taken > 0 and len(stopped.samples) == taken   # stop() ends the sampling
     assert report["loop_lag_ms_max"] >= 60, report
     assert report["loop_lag_ms_p50"] < 20, report   # the other wake-ups were on time
     assert LoopLag().report() == {"loop_lag_ms_p50": None, "loop_lag_ms_p99": None,

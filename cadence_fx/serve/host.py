@@ -28,6 +28,8 @@ from typing import Deque, Optional, Tuple
 
 import torch
 
+from ..scheduler import _pct
+
 __all__ = ["process_settings", "freeze_start_up", "GcPauses", "LoopLag", "percentiles"]
 
 
@@ -57,11 +59,10 @@ def freeze_start_up() -> int:
 
 
 def percentiles(xs, qs=(0.5, 0.99)) -> Tuple[Optional[float], ...]:
-    """The ``qs`` quantiles of ``xs`` (nearest rank; None when empty)."""
+    """The ``qs`` quantiles of ``xs``, unsorted (nearest rank, as the scheduler's report; None
+    when empty)."""
     xs = sorted(xs)
-    if not xs:
-        return tuple(None for _ in qs)
-    return tuple(xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] for q in qs)
+    return tuple(_pct(xs, q) for q in qs)
 
 
 class GcPauses:
@@ -109,10 +110,10 @@ class GcPauses:
 
 
 class LoopLag:
-    """How late the running event loop wakes from a ``period_ms`` sleep, sampled for the life of
-    the task ``start()`` makes (the last ``keep`` samples)."""
+    """How late the running event loop wakes from a ``period_ms`` sleep, sampled from
+    ``start()`` until ``stop()`` (or the loop's end): the last ``keep`` samples (None: all)."""
 
-    def __init__(self, period_ms: float = 10.0, keep: int = 2048):
+    def __init__(self, period_ms: float = 10.0, keep: Optional[int] = 2048):
         self.period_ms = period_ms
         self.samples: Deque[float] = collections.deque(maxlen=keep)
         self._task: Optional[asyncio.Task] = None
@@ -121,6 +122,15 @@ class LoopLag:
         """Start sampling on the running loop (once; later calls return at once)."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._sample())
+
+    async def stop(self) -> None:
+        """Stop sampling (the samples stay)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
 
     async def _sample(self) -> None:
         while True:
