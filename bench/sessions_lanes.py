@@ -470,8 +470,10 @@ def _kernel_fraction_window(run, delay_s, length_s):
     ``window`` beside it, which starts the profiler ``delay_s`` into it and stops it
     ``length_s`` later. At full load 8 lanes put ~300,000 kernels a second on the device: a
     profile of a whole row's traffic took longer to read than a device call lasts. The window's
-    wall is the host's, from the profiler's start to its stop; a kernel running across either
-    edge counts whole or not at all (kernels last well under a millisecond, the window 0.5 s)."""
+    wall is the host's, from the profiler's start to its stop; the kernels are those the device
+    ran meanwhile, the queued backlog included, so at full load their union can pass the window
+    (``busy`` > 1): ``busy_in_extent`` is the union over the kernels' own first start to last
+    end."""
     if DEVICE != "cuda":   # the CPU harness: the traffic and its window run, nothing recorded
         async def idle():
             await asyncio.sleep(delay_s + length_s)
@@ -511,7 +513,15 @@ def _fraction_of(prof, wall_us):
     if not spans:
         out["busy_why"] = "the profiler recorded no device intervals"
         return out
-    out["busy"] = common.busy_us(spans) / wall_us
+    union_us = common.busy_us(spans)
+    extent_us = max(e for _, e in spans) - min(s for s, _ in spans)
+    out["busy"] = union_us / wall_us
+    # a window's kernels are those the device ran while the profiler recorded, which at full load
+    # include the backlog queued before its start: their extent can pass the host's window (busy
+    # over the window > 1, as at 241eed9: 1.245). The union over their own extent says how much
+    # of that time the device idled.
+    out["kernels_extent_s"] = extent_us / 1e6
+    out["busy_in_extent"] = union_us / extent_us if extent_us > 0 else None
     return out
 
 
