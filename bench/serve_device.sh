@@ -25,7 +25,7 @@ case "$STEP" in
     cat "$W/$RAY".part00 "$W/$RAY".part01 > "$W/$RAY"
     (cd "$W" && sha256sum -c ray.sha256)
     # python -m pip: the device's bare `pip` belongs to another Python than the `python` that runs
-    python -m pip install --no-index --find-links "$W" "$W/$RAY[serve]" "protobuf>=3.20,<7" "websockets>=13"
+    python -m pip install --no-index --find-links "$W" "$W/$RAY[serve]" "protobuf>=3.20,<7" "websockets>=15"
     if ls .whl/*.whl >/dev/null 2>&1; then python -m pip install --no-deps .whl/*.whl; fi   # the models
     python -m pip install --no-deps --no-build-isolation -e .
     DATE=$(date +%F)

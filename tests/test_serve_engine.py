@@ -2,7 +2,6 @@
 malformed; the engine (the replica's seam to its SessionPools) keeps interleaved sessions exact
 against each one run alone on the stock step, across a turn reset, a partial flush and a longer
 last call; a second engine on the same compile cache traces nothing."""
-import asyncio
 import json
 import os
 import struct
@@ -75,14 +74,8 @@ def test_connections_run_without_per_message_compression():
     from cadence_fx.serve.client import _connect
     from cadence_fx.serve.direct import DirectServer
 
-    async def echo(message):
-        return message
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    server = DirectServer("127.0.0.1", echo)
-    url = asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
+    server = DirectServer("127.0.0.1", lambda message: message)
+    url = server.start()
     try:
         ours = _connect(url, 30)
         with connect(url, ping_interval=None) as theirs:   # websockets offers deflate by default
@@ -99,12 +92,45 @@ def test_connections_run_without_per_message_compression():
             ours.close()
             plain.shutdown()
     finally:
-        async def stop():
-            server.close()
-            await server._server.wait_closed()
-        asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+        server.close()
+
+
+def test_direct_connections_run_in_their_own_threads_and_close_with_the_server():
+    """Each connection's requests run in a thread of its own, not on an event loop (a slow
+    request on one connection does not hold another's), and ``close`` ends every connection:
+    its client sees the connection closed (``SessionLost`` in ``client.py``)."""
+    from websockets.exceptions import ConnectionClosed
+    from cadence_fx.serve.client import _connect
+    from cadence_fx.serve.direct import DirectServer
+
+    release, threads = threading.Event(), []
+
+    def serve(message):
+        threads.append(threading.current_thread().name)
+        if message == b"slow":
+            assert release.wait(30)
+        return message
+
+    server = DirectServer("127.0.0.1", serve)
+    assert server.start() == server.start()   # once
+    slow, fast = _connect(server.url, 30), _connect(server.url, 30)
+    try:
+        slow.send(b"slow")
+        fast.send(b"fast")
+        assert fast.recv(timeout=30) == b"fast"   # while the slow request still runs
+        release.set()
+        assert slow.recv(timeout=30) == b"slow"
+        assert len(set(threads)) == 2 and threading.main_thread().name not in threads
+        server.close()
+        for ws in (slow, fast):
+            with pytest.raises(ConnectionClosed):
+                ws.send(b"after")
+                ws.recv(timeout=30)
+    finally:
+        release.set()
+        slow.close()
+        fast.close()
+        server.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,19 @@ health, draining, metrics and restarts go through Ray Serve as before. The conne
 replica, so the session stays pinned to it; when the replica dies the connection closes, and the
 client raises ``SessionLost``. The server binds ``host`` (``build_app(direct_host=)``,
 ``cadence-fx serve --direct``) on a free port and advertises the node's address.
+
+Threads, not the event loop. Each connection has a thread of its own (``websockets.sync``) that
+receives a request, runs it and sends its reply: a request crosses no thread but the one that
+parses its frames. Served from the replica's event loop instead (as until 2026-12-03), a chunk
+waited for the loop to take it, for a worker thread (4.1 ms p50, 19.8 ms p99 with 32 sessions
+on 8 lanes on the H200, every thread of the replica sharing one GIL with the lanes' own), and for
+the loop again to send the reply.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import Awaitable, Callable, Optional
+import threading
+from typing import Callable, Optional, Set
 
 __all__ = ["DirectServer"]
 
@@ -24,25 +31,29 @@ log = logging.getLogger(__name__)
 
 
 class DirectServer:
-    """``serve(message) -> reply`` for every binary message of every connection, one request at a
-    time per connection; started on the running event loop at the first ``start()``."""
+    """``serve(message) -> reply`` for every binary message of every connection, in that
+    connection's thread, one request at a time per connection; listening from the first
+    ``start()`` (from any thread) until ``close()``."""
 
-    def __init__(self, host: str, serve: Callable[[bytes], Awaitable[bytes]]):
+    def __init__(self, host: str, serve: Callable[[bytes], bytes]):
         self.host, self._serve = host, serve
         self.url: Optional[str] = None
         self._server = None
-        self._starting = asyncio.Lock()
+        self._lock = threading.Lock()
+        self._open: Set[object] = set()   # the connections, closed by close()
 
-    async def start(self) -> str:
+    def start(self) -> str:
         if self.url is not None:   # every request of the replica asks: started already
             return self.url
-        async with self._starting:
+        with self._lock:
             if self._server is None:
-                from websockets.asyncio.server import serve
+                from websockets.sync.server import serve
                 # no per-message deflate, which a client may offer (client.py says why)
-                self._server = await serve(self._connection, self.host, 0, max_size=None,
-                                           ping_interval=None, compression=None)
-                port = self._server.sockets[0].getsockname()[1]
+                self._server = serve(self._connection, self.host, 0, max_size=None,
+                                     ping_interval=None, compression=None)
+                threading.Thread(target=self._server.serve_forever, daemon=True,
+                                 name="cadence-fx-direct").start()
+                port = self._server.socket.getsockname()[1]
                 self.url = f"ws://{self._advertised()}:{port}"
                 log.info("direct connections on %s", self.url)
         return self.url
@@ -53,16 +64,27 @@ class DirectServer:
         import ray
         return ray.util.get_node_ip_address()
 
-    async def _connection(self, connection) -> None:
+    def _connection(self, connection) -> None:
         from websockets.exceptions import ConnectionClosed
+        with self._lock:
+            self._open.add(connection)
         try:
-            async for message in connection:
+            for message in connection:   # ends when the client closes
                 if isinstance(message, str):
                     message = b""   # the protocol is binary: the reply says so
-                await connection.send(await self._serve(message))
+                connection.send(self._serve(message))
         except ConnectionClosed:
             return
+        finally:
+            with self._lock:
+                self._open.discard(connection)
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        """Stop listening and close every connection (their clients raise ``SessionLost``)."""
+        with self._lock:
+            server, connections = self._server, list(self._open)
+        if server is None:
+            return
+        server.shutdown()
+        for connection in connections:
+            connection.close()

@@ -12,7 +12,7 @@ from a fresh state. Each request runs in a worker thread of the replica's own (a
 the handle's queue-length probes while chunks compute, and chunks of different lanes overlap on
 the device (``engine.py``). With ``direct_host`` the replica also serves the later requests of the
 sessions opened with ``"direct": true`` on a WebSocket server of its own (``direct.py``), through
-the same ``_handle``.
+the same ``_handle``, each in its connection's own thread (no event loop, no worker pool).
 
 Draining (``status(token, draining=True)``, which the gateway's ``POST /v1/drain`` sends to the
 replicas it names): the replica opens no session, and each live session is closed at the end of
@@ -106,7 +106,7 @@ class SessionReplica:
     async def check_health(self) -> None:
         self.loop_lag.start()
         if self.direct is not None:
-            await self.direct.start()
+            self.direct.start()
         if self.failed:
             raise RuntimeError(f"replica {self.tag} failed ({self.failed}); Serve restarts it and "
                                "its sessions are lost (their clients prime again)")
@@ -128,17 +128,22 @@ class SessionReplica:
         arrived = time.perf_counter()
         self.loop_lag.start()
         if self.direct is not None:
-            await self.direct.start()   # before an open may hand out its address
+            self.direct.start()   # before an open may hand out its address
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._workers, self._handle, token, message, False,
                                           arrived)
 
-    async def _direct(self, message: bytes) -> bytes:
-        """A request on a session's direct connection (its token in its header)."""
-        arrived = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._workers, self._handle, None, message, True,
-                                          arrived)
+    def _direct(self, message: bytes) -> bytes:
+        """A request on a session's direct connection (its token in its header), in that
+        connection's thread: its reply carries no ``wait_ms`` (no hop to wait for)."""
+        return self._handle(None, message, True)
+
+    def __del__(self) -> None:
+        """Serve's graceful shutdown: the direct connections close (their clients raise
+        ``SessionLost``), the listening socket with them."""
+        direct = getattr(self, "direct", None)
+        if direct is not None:
+            direct.close()
 
     def _handle(self, token: Optional[str], message: bytes, direct: bool = False,
                 arrived: Optional[float] = None) -> bytes:
