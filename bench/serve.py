@@ -25,7 +25,9 @@ through Ray equals (``torch.equal``, mel and PCM) the same session in-process. T
 ``bench/serve_device.sh`` installs it from carried wheels first.
 
 Where a chunk's transport goes, per row through Ray: ``wait_ms`` p50/p99 (the replies' own: from
-the replica's event loop taking the request to a worker thread starting it), the replica's
+the replica's event loop taking the request to a worker thread starting it; direct requests run
+in their connection's thread and have none), ``around_ms`` p50/p99 (the replica thread's time on
+the request besides the chunk's own: decoding, the session's lookup, the metrics), the replica's
 collector pauses and event-loop lag over the row (``replica``: its stats, ``cadence_fx/serve/
 host.py``), how the replica started (``replica_warm``: traces, cache loads), and this process's
 own lateness (``client_lag_ms``: a thread waking every millisecond; the clients' threads decode
@@ -182,7 +184,7 @@ def through_ray(url, model, n, rounds, lanes, clients="lane", direct=False):
         groups = [members[i::lanes] for members in by_replica.values() for i in range(lanes)]
     outs = [[] for _ in range(n)]
 
-    transport_ms, wait_ms = [], []
+    transport_ms, wait_ms, around_ms = [], [], []
 
     def chunk(member, r):
         s, sess = member
@@ -192,6 +194,8 @@ def through_ray(url, model, n, rounds, lanes, clients="lane", direct=False):
         transport_ms.append((time.perf_counter() - start) * 1e3 - sess.last_reply["ms"])
         if "wait_ms" in sess.last_reply:
             wait_ms.append(sess.last_reply["wait_ms"])
+        if "around_ms" in sess.last_reply:
+            around_ms.append(sess.last_reply["around_ms"])
 
     before = _replica_stats(by_replica)
     with Lateness() as client:
@@ -204,12 +208,13 @@ def through_ray(url, model, n, rounds, lanes, clients="lane", direct=False):
     row["transport_ms_p50"] = statistics.median(transport_ms)
     row["transport_ms_p99"] = pct(transport_ms, 0.99)
     row["wait_ms_p50"], row["wait_ms_p99"] = percentiles(wait_ms)
+    row["around_ms_p50"], row["around_ms_p99"] = percentiles(around_ms)
     row["ping_ms_p50"] = statistics.median(ping_ms[5:])
     row["client_lag_ms"] = client.report()
     row["replica"] = _row_delta(before, after)
     row["replica_warm"] = {sess.replica: sess.warm for sess in sessions}
     row.update(_chunk_ms=chunk_ms, _round_ms=round_ms, _transport_ms=transport_ms,
-               _wait_ms=wait_ms)
+               _wait_ms=wait_ms, _around_ms=around_ms)
     return row, outs
 
 
@@ -226,6 +231,7 @@ def pooled(reps):
     if "_transport_ms" in reps[0]:
         row["transport_ms_p50"], row["transport_ms_p99"] = percentiles(every("_transport_ms"))
         row["wait_ms_p50"], row["wait_ms_p99"] = percentiles(every("_wait_ms"))
+        row["around_ms_p50"], row["around_ms_p99"] = percentiles(every("_around_ms"))
     if "counters" in reps[0]:
         row["counters"] = {k: sum(r["counters"][k] for r in reps) for k in reps[0]["counters"]}
     row["repeats"] = clean

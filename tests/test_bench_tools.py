@@ -125,8 +125,10 @@ def test_serve_bench_pools_its_repeats_and_reads_the_in_process_spread():
     assert both["counters"] == {"calls": 8, "fallbacks": 1}
     assert [r["chunk_p50_ms"] for r in both["repeats"]] == [10.0, 20.0]
     assert not any(k.startswith("_") for r in both["repeats"] for k in r)
-    t = rep([5.0] * 10, [40.0], _transport_ms=[1.0] * 9 + [9.0], _wait_ms=[0.5] * 10)
+    t = rep([5.0] * 10, [40.0], _transport_ms=[1.0] * 9 + [9.0], _wait_ms=[0.5] * 10,
+            _around_ms=[0.1] * 9 + [2.0])
     assert serve_bench.pooled([t, t])["transport_ms_p99"] == 9.0
+    assert serve_bench.pooled([t, t])["around_ms_p99"] == 2.0
     ok = rep([10.0] * 99 + [100.0], [50.0, 60.0])
     row = {"sessions": 2, "inprocess": serve_bench.pooled([ok, dict(ok, chunk_p99_ms=35.0)]),
            "ray": serve_bench.pooled([ok, ok]), "all_bit_exact": True}

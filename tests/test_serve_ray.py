@@ -125,6 +125,7 @@ def play(session, ref, xs, chunks):
             assert session.last_reply["wait_ms"] >= 0
         else:   # run in its connection's own thread: no hop
             assert "wait_ms" not in session.last_reply
+        assert session.last_reply["around_ms"] >= 0   # the replica's time besides the chunk's
         assert torch.equal(out["y"], ref.chunk(xs[i], last=i in LAST)["y"]), (session.token, i)
 
 

@@ -149,7 +149,8 @@ class SessionReplica:
                 arrived: Optional[float] = None) -> bytes:
         """One request in a worker thread; ``arrived``: when the event loop took it (a chunk's
         reply says how long it waited for this thread: ``wait_ms``)."""
-        wait_ms = None if arrived is None else (time.perf_counter() - arrived) * 1e3
+        begun = time.perf_counter()
+        wait_ms = None if arrived is None else (begun - arrived) * 1e3
         try:
             header, tensors = decode(message)
         except ValueError as e:
@@ -175,7 +176,7 @@ class SessionReplica:
             return sid
         try:
             if op == "chunk":
-                return self._chunk(token, sid, header, tensors, wait_ms)
+                return self._chunk(token, sid, header, tensors, wait_ms, begun)
             return getattr(self, "_" + op)(token, sid, header, tensors)
         except (ValueError, TypeError, KeyError) as e:   # the request, not the replica
             return error("bad_request", str(e), token)
@@ -218,7 +219,7 @@ class SessionReplica:
             reply["direct"] = self.direct.url
         return encode(reply)
 
-    def _chunk(self, token, sid, header, tensors, wait_ms=None) -> bytes:
+    def _chunk(self, token, sid, header, tensors, wait_ms=None, begun=None) -> bytes:
         last = bool(header.get("last", False))
         outputs, record = self.engine.chunk(sid, tensors, last)
         self._count(record)
@@ -226,6 +227,9 @@ class SessionReplica:
                  "fallbacks": record.fallbacks}
         if wait_ms is not None:   # from the event loop to this worker thread
             reply["wait_ms"] = round(wait_ms, 3)
+        if begun is not None:   # this thread's time on the request besides the chunk's own:
+            # decoding it, finding the session, the metrics (the reply's encoding comes after)
+            reply["around_ms"] = round((time.perf_counter() - begun) * 1e3 - record.ms, 3)
         if last and self.draining:   # the turn ended: the session ends with it
             self.engine.close(sid)
             self.metrics.live.set(self.engine.live)
