@@ -212,6 +212,29 @@ def test_lanes_and_threads_keep_every_session_exact(toy_cache):
     assert engine.live == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (lane streams)")
+def test_a_chunk_waits_for_the_device_asleep_and_exact(monkeypatch, tmp_path):
+    """On CUDA a chunk's thread waits for its lane on a blocking event (it sleeps; a plain
+    event's wait spins a core per lane), and the chunk still equals stock alone."""
+    model = build("toy", "cuda", str(tmp_path))
+    engine = PoolEngine(model, lanes=2)
+    engine.warm()
+    real, made = torch.cuda.Event, []
+
+    def event(*args, **kwargs):
+        made.append(kwargs.get("blocking", args[1] if len(args) > 1 else False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    sid = engine.open(seed=7, lane=1)
+    ref = StockSession(model, seed=7)
+    for i, x in enumerate(stream(model, 7)[:3]):
+        out, _ = engine.chunk(sid, x)
+        assert torch.equal(out["y"], ref.chunk(x)["y"].cpu()), i
+    assert made and all(made), made   # every chunk's wait: blocking
+    assert engine.pools["step"].lanes[1].compiled.counters.replays > 0
+
+
 def test_a_started_cluster_hands_replies_over_inline_unless_told_otherwise(monkeypatch):
     """``cadence-fx serve`` raises Ray's inline-result limit above a Token2Wav reply (112 KB) for
     the cluster it starts, and keeps a limit the user set."""

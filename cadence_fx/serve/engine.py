@@ -19,7 +19,7 @@ computes on the module while a class of it traces (which swaps fake tensors into
 while another stock call writes its buffers; drawing chunks are queued one at a time (each lane
 draws from a generator state of its own, ``sessions.py``). Replays need none of it. On CUDA
 (``SessionPool(..., lanes=L)`` queues each lane's work on its own stream and returns), a chunk
-then waits for its own completion, so chunks of other lanes are queued and run meanwhile; a chunk spanning several pools (Token2Wav's flow,
+then waits for its own completion (asleep, on a blocking event), so chunks of other lanes are queued and run meanwhile; a chunk spanning several pools (Token2Wav's flow,
 then HiFT) runs under its first pool's lane stream, which every later pool's lane waits for. On
 the CPU a step returns when it is done.
 """
@@ -139,7 +139,11 @@ class PoolEngine:
             for k, v in outputs.items():
                 host[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
                 host[k].copy_(v.detach(), non_blocking=True)
-            done = torch.cuda.Event()
+            # blocking: the thread waiting for it sleeps. A plain event's wait spins its thread
+            # on a core (one CUDA context on a many-core host spins by default), so L lanes'
+            # waits would hold L cores busy while the replica's network threads and its clients'
+            # wait to be scheduled
+            done = torch.cuda.Event(blocking=True)
             done.record(here)
         return host, done
 
