@@ -147,8 +147,9 @@ class SessionReplica:
 
     def _handle(self, token: Optional[str], message: bytes, direct: bool = False,
                 arrived: Optional[float] = None) -> bytes:
-        """One request in a worker thread; ``arrived``: when the event loop took it (a chunk's
-        reply says how long it waited for this thread: ``wait_ms``)."""
+        """One request, in a worker thread (``arrived``: when the event loop took it; a chunk's
+        reply says how long it waited for this thread, ``wait_ms``) or in its direct
+        connection's own thread (``arrived`` None)."""
         begun = time.perf_counter()
         wait_ms = None if arrived is None else (begun - arrived) * 1e3
         try:
