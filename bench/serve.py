@@ -20,7 +20,9 @@ real-time when every round, the slowest included, ends within ``--budget-ms`` (9
 slowest round, real-time or not. Per row ``all_bit_exact``: every chunk of every session served
 through Ray equals (``torch.equal``, mel and PCM) the same session in-process. Top level:
 ``ray_vs_inprocess_sessions`` (the largest real-time N through Ray over in-process, one GPU),
-``added_p99_ms`` (Ray's p99 minus in-process p99 at the in-process real-time N) and, with
+``added_p99_ms`` (Ray's p99 minus in-process p99 at the in-process real-time N),
+``added_p99_interval_ms`` (its 95% interval, the rounds drawn again: ``added_p99_interval``;
+``_direct`` for both over direct connections) and, with
 ``--gpus 2``, ``scaling_ratio`` (real-time N on two replicas over one). The device has no Ray:
 ``bench/serve_device.sh`` installs it from carried wheels first.
 
@@ -41,6 +43,7 @@ import concurrent.futures
 import datetime
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -119,22 +122,42 @@ def summary(chunk_ms, round_ms, n):
 
 def rounds_of(groups, rounds, chunk):
     """``rounds`` rounds: in each, one thread per group sends one chunk of each of its
-    sessions in turn (``chunk(member, round)``); returns each chunk's ms and each round's ms
-    (the slowest group's)."""
-    chunk_ms, round_ms = [], []
+    sessions in turn (``chunk(member, round)``); returns each chunk's ms, each round's ms
+    (the slowest group's) and each round's chunks' ms (``by_round``)."""
+    by_round = [[] for _ in range(rounds)]
 
     def group(members, r):
         for member in members:
             start = time.perf_counter()
             chunk(member, r)
-            chunk_ms.append((time.perf_counter() - start) * 1e3)
+            by_round[r].append((time.perf_counter() - start) * 1e3)
 
+    round_ms = []
     with concurrent.futures.ThreadPoolExecutor(max(1, len(groups))) as pool:
         for r in range(rounds):
             t0 = time.perf_counter()
             list(pool.map(lambda m: group(m, r), groups))
             round_ms.append((time.perf_counter() - t0) * 1e3)
-    return chunk_ms, round_ms
+    return [ms for chunks in by_round for ms in chunks], round_ms, by_round
+
+
+def added_p99_interval(base, other, draws=2000, level=0.95, seed=0):
+    """How sure an added p99 is: ``other``'s p99 minus ``base``'s over rounds drawn again with
+    replacement (each a list of its chunks' ms, every repeat's rounds pooled), both paths drawn
+    anew each time; the central ``level`` of the differences, [lo, hi]. Rounds are drawn whole:
+    a round's chunks queue behind each other and are not independent. An interval that holds 5
+    says that this many rounds cannot tell the added p99 from 5 ms."""
+    if not base or not other:
+        return None
+    rng = random.Random(seed)
+
+    def p99(rounds):
+        drawn = [ms for _ in rounds for ms in rng.choice(rounds)]
+        return pct(drawn, 0.99)
+
+    diffs = sorted(p99(other) - p99(base) for _ in range(draws))
+    cut = int(draws * (1 - level) / 2)
+    return [diffs[cut], diffs[draws - 1 - cut]]
 
 
 def inprocess(engine, model, n, rounds, clients="lane"):
@@ -153,12 +176,12 @@ def inprocess(engine, model, n, rounds, clients="lane"):
         outs[s].append(engine.chunk(sid, model.example(1000 + s, r), last=r == rounds - 1)[0])
 
     with GcPauses() as pauses:
-        chunk_ms, round_ms = rounds_of([g for g in groups if g], rounds, chunk)
+        chunk_ms, round_ms, by_round = rounds_of([g for g in groups if g], rounds, chunk)
     for sid in ids:
         engine.close(sid)
     row = summary(chunk_ms, round_ms, n)
     row["gc"] = {k: v for k, v in pauses.report().items() if k != "gc_frozen_objects"}
-    row.update(_chunk_ms=chunk_ms, _round_ms=round_ms)
+    row.update(_chunk_ms=chunk_ms, _round_ms=round_ms, _by_round=by_round)
     return row, outs
 
 
@@ -199,7 +222,7 @@ def through_ray(url, model, n, rounds, lanes, clients="lane", direct=False):
 
     before = _replica_stats(by_replica)
     with Lateness() as client:
-        chunk_ms, round_ms = rounds_of([g for g in groups if g], rounds, chunk)
+        chunk_ms, round_ms, by_round = rounds_of([g for g in groups if g], rounds, chunk)
     after = _replica_stats(by_replica)
     for sess in sessions:
         sess.close()
@@ -213,7 +236,8 @@ def through_ray(url, model, n, rounds, lanes, clients="lane", direct=False):
     row["client_lag_ms"] = client.report()
     row["replica"] = _row_delta(before, after)
     row["replica_warm"] = {sess.replica: sess.warm for sess in sessions}
-    row.update(_chunk_ms=chunk_ms, _round_ms=round_ms, _transport_ms=transport_ms,
+    row.update(_chunk_ms=chunk_ms, _round_ms=round_ms, _by_round=by_round,
+               _transport_ms=transport_ms,
                _wait_ms=wait_ms, _around_ms=around_ms)
     return row, outs
 
@@ -322,9 +346,15 @@ def main():
                                                       args.clients, direct=path == "ray_direct")
                     paths[path].append(remote)
                     all_exact = all_exact and exact(local_outs, remote_outs)
+        rounds = {path: [r for rep in reps for r in rep.get("_by_round", [])]
+                  for path, reps in paths.items()}
         rows.append({"sessions": n, **{path: pooled(reps) for path, reps in paths.items()},
                      "gpus": args.gpus, "lanes": args.lanes, "repeats": args.repeats,
-                     "all_bit_exact": all_exact})
+                     "all_bit_exact": all_exact,
+                     # the added p99's 95% interval, rounds drawn again (added_p99_interval)
+                     "added_p99_interval_ms": {
+                         path: added_p99_interval(rounds["inprocess"], rounds[path])
+                         for path in paths if path != "inprocess"}})
         print(json.dumps(rows[-1]), flush=True)
         with open(args.out, "w") as f:
             json.dump(result_of(rows, args, warm), f, indent=1)
@@ -341,6 +371,7 @@ def result_of(rows, args, warm):
             "inprocess_realtime_sessions": best_local, "ray_realtime_sessions": best_ray,
             "ray_vs_inprocess_sessions": best_ray / best_local if best_local else None,
             "added_p99_ms": at["ray"]["chunk_p99_ms"] - at["inprocess"]["chunk_p99_ms"],
+            "added_p99_interval_ms": at.get("added_p99_interval_ms", {}).get("ray"),
             # how far the in-process p99 moved between its own repeats: what an added p99
             # smaller than this cannot be told from (None with one repeat)
             "inprocess_p99_spread_ms": (max(at["inprocess"]["chunk_p99_ms_each"])
@@ -350,7 +381,9 @@ def result_of(rows, args, warm):
             **({"direct_vs_inprocess_sessions": largest(rows, "ray_direct") / best_local
                 if best_local else None,
                 "added_p99_ms_direct": at["ray_direct"]["chunk_p99_ms"]
-                - at["inprocess"]["chunk_p99_ms"]} if args.direct else {}),
+                - at["inprocess"]["chunk_p99_ms"],
+                "added_p99_interval_ms_direct": at.get("added_p99_interval_ms", {}).get(
+                    "ray_direct")} if args.direct else {}),
             # two replicas through Ray against the one-GPU pool in-process
             **({"scaling_ratio": best_ray / best_local if best_local else None}
                if args.gpus == 2 else {}),

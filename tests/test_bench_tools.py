@@ -2,6 +2,7 @@
 checking the targets, putting the Moshi row into the lanes result. Pure JSON logic, no device."""
 import json
 import os
+import random
 import sys
 
 import pytest
@@ -136,3 +137,30 @@ def test_serve_bench_pools_its_repeats_and_reads_the_in_process_spread():
                                  gc_freeze=True, rounds=2, repeats=2, direct=False))()
     result = serve_bench.result_of([row], args, {})
     assert result["inprocess_p99_spread_ms"] == 25.0 and result["ray_vs_inprocess_sessions"] == 1.0
+
+
+def test_serve_bench_says_how_sure_an_added_p99_is():
+    """``added_p99_interval``: rounds drawn again whole, both paths anew; a constant shift is
+    found exactly, a noisy base gives an interval wide enough to hold small shifts, and the
+    chunks of each round are kept by ``rounds_of``."""
+    import serve as serve_bench
+    base = [[10.0] * 8 for _ in range(12)]
+    slower = [[60.0] * 8 for _ in range(12)]
+    assert serve_bench.added_p99_interval(base, slower) == [50.0, 50.0]
+    assert serve_bench.added_p99_interval(base, base) == [0.0, 0.0]
+    # 8 rounds of 32 chunks, ~100 ms of spread: a 5 ms shift of the whole distribution is
+    # inside an interval tens of ms wide on either side, as on the GPU at 32 sessions
+    rng = random.Random(1)
+    noisy = [[rng.gauss(500, 100) for _ in range(32)] for _ in range(8)]
+    shifted = [[rng.gauss(505, 100) for _ in range(32)] for _ in range(8)]
+    lo, hi = serve_bench.added_p99_interval(noisy, shifted)
+    assert lo < 0.0 < 5.0 < hi and hi - lo > 40.0, (lo, hi)
+    assert serve_bench.added_p99_interval(noisy, slower) == serve_bench.added_p99_interval(
+        noisy, slower)   # seeded
+    assert serve_bench.added_p99_interval([], slower) is None
+    seen = []
+    chunk_ms, round_ms, by_round = serve_bench.rounds_of(
+        [["a", "b"], ["c"]], 3, lambda member, r: seen.append((member, r)))
+    assert [len(chunks) for chunks in by_round] == [3, 3, 3] and len(round_ms) == 3
+    assert sorted(chunk_ms) == sorted(ms for chunks in by_round for ms in chunks)
+    assert sorted(seen) == sorted((m, r) for r in range(3) for m in "abc")
