@@ -42,7 +42,6 @@ import asyncio
 import collections
 import concurrent.futures
 import datetime
-import gc
 import itertools
 import json
 import os
@@ -719,9 +718,9 @@ def main():
     if args.host_profile:
         result["host_profile"] = [_host_profile(served, k) for k in sorted({1, max(lanes)})]
         print(json.dumps({"host_profile": result["host_profile"]}), flush=True)
-    if args.gc_freeze:   # what start-up made (graphs, traces, kernels) is never collected again
-        freeze_start_up()
-    result["gc_frozen_objects"] = gc.get_freeze_count()
+    # what start-up made (graphs, traces, kernels) is never collected again; the count walks
+    # every frozen object, so it is taken once, by the freeze
+    result["gc_frozen_objects"] = freeze_start_up() if args.gc_freeze else 0
     result["switch_interval_ms"] = sys.getswitchinterval() * 1e3
     save()
     _lane_rows(result, served, flow, hift, lanes, args, start, save)
